@@ -1,0 +1,1 @@
+"""CRIU plugin shim, device-hook server and device backends (issue: CRIU plugin)."""

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up the development/CI environment: a .venv with podsnap (editable) and
+# its test dependencies. Idempotent: re-running with an unchanged
+# pyproject.toml does nothing. torch comes from `pip install torch==2.13.0`,
+# the CPU build; nothing here pulls CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.podsnap-setup
+
+want=$(cat pyproject.toml deploy/setup-dev.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x $VENV/bin/podsnap ]; then
+  exit 0
+fi
+
+echo "==> creating $VENV and installing podsnap[test]"
+[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
+$VENV/bin/python -m pip install -q --upgrade pip setuptools wheel
+# torch first, pinned, so nothing later resolves a CUDA build
+$VENV/bin/python -m pip install -q torch==2.13.0
+$VENV/bin/python -m pip install -q -e '.[test]'
+echo "$want" > "$STAMP"
+echo "==> environment ready: $VENV"

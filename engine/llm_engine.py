@@ -1,0 +1,162 @@
+"""The engine of one rank: cold start (load + post-process) and greedy generation.
+
+A cold start reads the HF checkpoint, post-processes it on the platform and
+allocates the paged KV cache; ``timings`` records each phase. ``generate``
+runs continuous batching until every prompt has its tokens. ``state()``
+returns the engine state contract that snapshots are made of.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from podsnap.errors import ConfigError, PodsnapError
+from podsnap.state import EngineState, Role, StateTensor, TensorMeta
+
+from .checkpoint import CheckpointReader
+from .config import ModelConfig
+from .kv_cache import BlockManager, KVCache
+from .loader import load_checkpoint
+from .model import CausalLM, StepContext
+from .platform import CpuPlatform, get_platform
+from .scheduler import Scheduler, Sequence
+from .sharding import RankLayout
+
+QUANT_MODES = ("none", "w8a8")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    quant: str = "none"
+    dtype: str = "float32"
+    platform: str = "cpu"
+    block_size: int = 16
+    kv_cache_tokens: int = 8192
+    max_batch_tokens: int = 4096
+
+    def __post_init__(self):
+        if self.quant not in QUANT_MODES:
+            raise ConfigError(f"quant {self.quant!r} is not supported; choose one of {', '.join(QUANT_MODES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
+            raise ConfigError(f"kv_cache_tokens={self.kv_cache_tokens} must hold at least one "
+                              f"block of block_size={self.block_size} tokens")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class Timings:
+    load: float = 0.0  # read the checkpoint into the model
+    postprocess: float = 0.0  # quantize, re-lay-out, build tables
+    first_token: float = 0.0  # the first prefill step
+    total: float = 0.0  # from cold start to the last generated token
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: round(getattr(self, k), 6) for k in ("load", "postprocess", "first_token", "total")}
+
+
+class LLMEngine:
+    def __init__(self, cfg: ModelConfig, model: CausalLM, options: EngineOptions, timings: Timings,
+                 platform: CpuPlatform):
+        self.cfg, self.model, self.options, self.timings = cfg, model, options, timings
+        self.platform = platform
+        self.kv_cache = KVCache(cfg.num_hidden_layers, options.kv_cache_tokens // options.block_size,
+                                options.block_size, len(model.layout.kv_heads), cfg.head_dim,
+                                options.torch_dtype)
+        self.blocks = BlockManager(self.kv_cache.num_blocks, options.block_size)
+        self.scheduler = Scheduler(self.blocks, options.max_batch_tokens)
+
+    @classmethod
+    def cold_start(cls, model_dir: str | Path, options: EngineOptions | None = None,
+                   layout: RankLayout | None = None) -> LLMEngine:
+        """Read the HF checkpoint in ``model_dir`` and post-process it."""
+        options = options or EngineOptions()
+        timings = Timings()
+        platform = get_platform(options.platform)
+        cfg = ModelConfig.load(model_dir)
+        reader = CheckpointReader(model_dir)
+        model = CausalLM(cfg, layout)
+        load_checkpoint(model, reader, options.torch_dtype)
+        timings.load = time.perf_counter() - timings.started
+        t = time.perf_counter()
+        platform.postprocess(model, options.quant)
+        timings.postprocess = time.perf_counter() - t
+        return cls(cfg, model, options, timings, platform)
+
+    # --- generation -------------------------------------------------------
+
+    def add_request(self, prompt: list[int], max_tokens: int) -> Sequence:
+        self.validate_request(prompt, max_tokens)
+        seq = Sequence(list(prompt), max_tokens)
+        self.scheduler.add(seq)
+        return seq
+
+    def validate_request(self, prompt: list[int], max_tokens: int) -> None:
+        if not prompt:
+            raise PodsnapError("the prompt is empty: give at least one token id")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise PodsnapError(f"token id(s) {bad[:5]} out of range: valid ids are 0..{self.cfg.vocab_size - 1}")
+        if max_tokens < 1:
+            raise PodsnapError(f"max_tokens={max_tokens} must be at least 1")
+        limit = self.cfg.max_position_embeddings
+        if len(prompt) + max_tokens > limit:
+            raise PodsnapError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                               f"the model's max_position_embeddings={limit}")
+        if len(prompt) + max_tokens > self.options.kv_cache_tokens:
+            raise PodsnapError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens do not fit the "
+                               f"KV cache of {self.options.kv_cache_tokens} tokens")
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled step; returns the sequences that finished in it."""
+        seqs, _ = self.scheduler.schedule()
+        logits = self.forward(seqs)
+        return self.scheduler.finish_step(seqs, logits.argmax(dim=-1).tolist())
+
+    def forward(self, seqs: list[Sequence], last_only: bool = True) -> torch.Tensor:
+        ids, positions, slots, query_lens, context = [], [], [], [], []
+        for seq in seqs:
+            start, stop = seq.num_cached, len(seq)
+            ids.extend(seq.token_ids[start:stop])
+            positions.extend(range(start, stop))
+            slots.append(self.blocks.slots(seq.block_table, start, stop))
+            query_lens.append(stop - start)
+            context.append(self.blocks.slots(seq.block_table, 0, stop))
+        ctx = StepContext(torch.tensor(positions), torch.cat(slots), query_lens, context)
+        return self.model(torch.tensor(ids), ctx, self.kv_cache, last_only)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy tokens for each prompt (batched)."""
+        seqs = [self.add_request(p, max_tokens) for p in prompts]
+        first = True
+        while self.scheduler.has_work:
+            t = time.perf_counter()
+            self.step()
+            if first and not self.timings.first_token:
+                self.timings.first_token = time.perf_counter() - t
+            first = False
+        self.timings.total = time.perf_counter() - self.timings.started
+        return [s.output_ids for s in seqs]
+
+    # --- engine state contract ---------------------------------------------
+
+    def state(self, with_kv: bool = False) -> EngineState:
+        metas = self.model.state_meta()
+        named = dict(self.model.named_parameters())
+        named.update(self.model.named_buffers())
+        tensors = [StateTensor(name, metas[name], t) for name, t in named.items()]
+        if with_kv:
+            tensors += [StateTensor(f"kv_cache.{n}", TensorMeta(Role.KV, "paged"), getattr(self.kv_cache, n))
+                        for n in ("k", "v")]
+        layout = self.model.layout
+        return EngineState(layout.rank, layout.world_size, tensors)

@@ -1,0 +1,1 @@
+"""Integration with vLLM and vllm-ascend as engine hooks (issue: engine hooks)."""

@@ -1,0 +1,1 @@
+"""Snapshot store format, state capture and the snapshot agent (issue: snapshot store)."""

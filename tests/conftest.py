@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny HF checkpoints made once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from podsnap.engine.tiny import make_tiny
+
+ARCHS = ["llama", "qwen3", "qwen3-moe"]
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """``model_factory(arch, preset="tiny", seed=0, shards=1)`` -> checkpoint dir (cached)."""
+    made = {}
+
+    def make(arch: str, preset: str = "tiny", seed: int = 0, shards: int = 1):
+        key = (arch, preset, seed, shards)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{arch}-{preset}-s{seed}-k{shards}")
+            make_tiny(arch, out, preset, seed, shards)
+            made[key] = out
+        return made[key]
+
+    return make
