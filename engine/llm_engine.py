@@ -1,13 +1,17 @@
 """The engine of one rank: cold start (load + post-process) and greedy generation.
 
-A cold start reads the HF checkpoint, post-processes it on the platform and
-allocates the paged KV cache; ``timings`` records each phase. ``generate``
-runs continuous batching until every prompt has its tokens. ``state()``
-returns the engine state contract that snapshots are made of.
+A cold start reads this rank's shard of the HF checkpoint, post-processes it
+on the platform and allocates the paged KV cache; ``timings`` records each
+phase. ``generate`` runs continuous batching until every prompt has its
+tokens. ``state()`` returns the engine state contract snapshots are made of.
+
+With several ranks, rank 0 (the leader) schedules and broadcasts each step;
+the other ranks (followers) sit in ``follow()`` and run what they are sent.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +21,7 @@ import torch
 from podsnap.errors import ConfigError, PodsnapError
 from podsnap.state import EngineState, Role, StateTensor, TensorMeta
 
+from . import tp
 from .checkpoint import CheckpointReader
 from .config import ModelConfig
 from .kv_cache import BlockManager, KVCache
@@ -24,7 +29,7 @@ from .loader import load_checkpoint
 from .model import CausalLM, StepContext
 from .platform import CpuPlatform, get_platform
 from .scheduler import Scheduler, Sequence
-from .sharding import RankLayout
+from .sharding import ShardPlan
 
 QUANT_MODES = ("none", "w8a8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -59,10 +64,21 @@ class Timings:
     postprocess: float = 0.0  # quantize, re-lay-out, build tables
     first_token: float = 0.0  # the first prefill step
     total: float = 0.0  # from cold start to the last generated token
+    decode: float = 0.0  # time in decode steps
+    decode_tokens: int = 0  # tokens those steps produced
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     def to_dict(self) -> dict[str, float]:
-        return {k: round(getattr(self, k), 6) for k in ("load", "postprocess", "first_token", "total")}
+        out = {k: round(getattr(self, k), 6) for k in ("load", "postprocess", "first_token", "total", "decode")}
+        out["decode_tokens_per_s"] = round(self.decode_tokens / self.decode, 2) if self.decode else 0.0
+        return out
+
+
+@dataclass
+class StepResult:
+    seqs: list[Sequence]  # the sequences that ran (one new token each)
+    finished: list[Sequence]
+    prefill: bool
 
 
 class LLMEngine:
@@ -75,17 +91,25 @@ class LLMEngine:
                                 options.torch_dtype)
         self.blocks = BlockManager(self.kv_cache.num_blocks, options.block_size)
         self.scheduler = Scheduler(self.blocks, options.max_batch_tokens)
+        self.keep_logits = False  # tests: keep each step's logits in step_logits
+        self.step_logits: list[torch.Tensor] = []
 
     @classmethod
     def cold_start(cls, model_dir: str | Path, options: EngineOptions | None = None,
-                   layout: RankLayout | None = None) -> LLMEngine:
-        """Read the HF checkpoint in ``model_dir`` and post-process it."""
+                   rank: int = 0, world_size: int = 1) -> LLMEngine:
+        """Read this rank's shard of the HF checkpoint in ``model_dir`` and post-process it.
+
+        With ``world_size > 1`` the process group must already be formed
+        (``comm_rebuild.groups.init_world``): W8A8 post-processing of
+        row-parallel shards reduces scales over the tp group.
+        """
         options = options or EngineOptions()
         timings = Timings()
         platform = get_platform(options.platform)
         cfg = ModelConfig.load(model_dir)
+        plan = ShardPlan.build(cfg, world_size)
         reader = CheckpointReader(model_dir)
-        model = CausalLM(cfg, layout)
+        model = CausalLM(cfg, plan.layouts[rank])
         load_checkpoint(model, reader, options.torch_dtype)
         timings.load = time.perf_counter() - timings.started
         t = time.perf_counter()
@@ -117,11 +141,13 @@ class LLMEngine:
             raise PodsnapError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens do not fit the "
                                f"KV cache of {self.options.kv_cache_tokens} tokens")
 
-    def step(self) -> list[Sequence]:
-        """Run one scheduled step; returns the sequences that finished in it."""
-        seqs, _ = self.scheduler.schedule()
+    def step(self) -> StepResult:
+        """Run one scheduled step: every sequence in it gets one token."""
+        seqs, prefill = self.scheduler.schedule()
         logits = self.forward(seqs)
-        return self.scheduler.finish_step(seqs, logits.argmax(dim=-1).tolist())
+        if self.keep_logits:
+            self.step_logits.append(logits)
+        return StepResult(seqs, self.scheduler.finish_step(seqs, logits.argmax(dim=-1).tolist()), prefill)
 
     def forward(self, seqs: list[Sequence], last_only: bool = True) -> torch.Tensor:
         ids, positions, slots, query_lens, context = [], [], [], [], []
@@ -133,18 +159,54 @@ class LLMEngine:
             query_lens.append(stop - start)
             context.append(self.blocks.slots(seq.block_table, 0, stop))
         ctx = StepContext(torch.tensor(positions), torch.cat(slots), query_lens, context)
-        return self.model(torch.tensor(ids), ctx, self.kv_cache, last_only)
+        input_ids = torch.tensor(ids)
+        if self.world_size > 1:
+            tp.broadcast_step({"op": "step", "ids": input_ids, "ctx": ctx, "last_only": last_only})
+        return self.model(input_ids, ctx, self.kv_cache, last_only)
+
+    # --- ranks ----------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.model.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.model.layout.world_size
+
+    def follow(self) -> None:
+        """Followers: run the steps rank 0 broadcasts until it sends "stop"."""
+        while True:
+            msg = tp.broadcast_step()
+            if msg["op"] == "stop":
+                return
+            if msg["op"] == "step":
+                self.model(msg["ids"], msg["ctx"], self.kv_cache, msg["last_only"])
+            else:
+                raise PodsnapError(f"rank {self.rank}: unknown control op {msg['op']!r} from rank 0")
+
+    def stop_followers(self) -> None:
+        """Release the followers from ``follow()``; a follower that is already gone is not an error."""
+        if self.world_size == 1:
+            return
+        try:
+            tp.broadcast_step({"op": "stop"})
+        except RuntimeError as e:  # gloo raises when a peer has exited (e.g. SIGTERM to every pod)
+            print(f"podsnap: rank 0 could not reach every follower at shutdown: {str(e).splitlines()[0]}",
+                  file=sys.stderr)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy tokens for each prompt (batched)."""
         seqs = [self.add_request(p, max_tokens) for p in prompts]
-        first = True
         while self.scheduler.has_work:
             t = time.perf_counter()
-            self.step()
-            if first and not self.timings.first_token:
-                self.timings.first_token = time.perf_counter() - t
-            first = False
+            result = self.step()
+            took = time.perf_counter() - t
+            if result.prefill and not self.timings.first_token:
+                self.timings.first_token = took
+            elif not result.prefill:
+                self.timings.decode += took
+                self.timings.decode_tokens += len(result.seqs)
         self.timings.total = time.perf_counter() - self.timings.started
         return [s.output_ids for s in seqs]
 
@@ -158,5 +220,4 @@ class LLMEngine:
         if with_kv:
             tensors += [StateTensor(f"kv_cache.{n}", TensorMeta(Role.KV, "paged"), getattr(self.kv_cache, n))
                         for n in ("k", "v")]
-        layout = self.model.layout
-        return EngineState(layout.rank, layout.world_size, tensors)
+        return EngineState(self.rank, self.world_size, tensors)

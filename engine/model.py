@@ -105,8 +105,8 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts. This rank computes the experts it is assigned in
-    ``layout.experts``; the partial outputs are summed over the ep group."""
+    """Top-k routed experts. This rank holds ``layout.held_experts`` and computes
+    ``layout.experts`` (it is their first rank); partial outputs are summed over ep."""
 
     def __init__(self, cfg: ModelConfig, prefix: str, layout: RankLayout):
         super().__init__()
@@ -116,7 +116,8 @@ class MoE(nn.Module):
         whole = RankLayout.whole(cfg)  # an expert is never split: its shard is the whole tensor
         self.experts = nn.ModuleDict({
             str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, f"{prefix}.experts.{e}", whole)
-            for e in layout.experts})
+            for e in layout.held_experts})
+        self.computes = [str(e) for e in layout.experts]
         for expert in self.experts.values():  # partial sums are reduced once, over ep, below
             expert.down_proj.parallel = "none"
 
@@ -127,7 +128,8 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        for e, expert in self.experts.items():
+        for e in self.computes:
+            expert = self.experts[e]
             token, slot = (chosen == int(e)).nonzero(as_tuple=True)
             if token.numel():
                 out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])

@@ -22,8 +22,8 @@ ARCHS = tuple(ARCHITECTURES.values())
 
 # name -> (dense fields, MoE overrides). ~1 GiB in bf16 for "1g".
 PRESETS = {
-    "tiny": (dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+    "tiny": (dict(vocab_size=256, hidden_size=64, intermediate_size=272, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
              dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)),
     "small": (dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024),

@@ -1,7 +1,8 @@
-"""Tensor-parallel collectives used by the model, looked up by role per call.
+"""Tensor-parallel collectives used by the engine, looked up by role per call.
 
-With no tp group (a single rank) every function is the identity, so the
-same model code runs on one rank and on many.
+With no tp group (a single rank) the reductions are the identity, so the
+same model code runs on one rank and on many. ``broadcast_step`` is how rank
+0, which schedules, tells the other ranks what to run next.
 """
 
 from __future__ import annotations
@@ -21,3 +22,11 @@ def all_reduce(t: torch.Tensor, op: str = "sum", role: str = "tp") -> torch.Tens
     t = t.contiguous()
     dist.all_reduce(t, op=_OPS[op], group=group.handle)
     return t
+
+
+def broadcast_step(message: dict | None = None) -> dict:
+    """Rank 0 sends ``message`` (a step, or a control op) to every rank; others receive it."""
+    group = registry.get("world")
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group.handle)
+    return box[0]

@@ -105,20 +105,70 @@ def engine_options(quant: str, dtype: str):
               help="Post-processing: w8a8 = int8 weights (FRACTAL_NZ) with per-token int8 activations.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Compute dtype (float32 is the fast one on CPUs without native bf16).")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="Tensor-parallel ranks, one process each; any number up to the model's attention heads.")
 @click.option("--json", "as_json", is_flag=True, help="Print {tokens, timings} as one JSON object.")
-def generate(model_dir, prompt_ids, max_tokens, quant, dtype, as_json):
+def generate(model_dir, prompt_ids, max_tokens, quant, dtype, tp, as_json):
     """Cold-start the engine on MODEL and generate greedily."""
-    from podsnap.engine.llm_engine import LLMEngine
+    from podsnap.engine.config import ModelConfig
+    from podsnap.engine.generate import generate as run_generate
+    from podsnap.engine.sharding import check_world_size
 
     prompt = parse_token_ids(prompt_ids)
-    engine = LLMEngine.cold_start(model_dir, engine_options(quant, dtype))
-    tokens = engine.generate([prompt], max_tokens)[0]
-    timings = engine.timings.to_dict()
+    check_world_size(ModelConfig.load(model_dir), tp)
+    result = run_generate(model_dir, [prompt], max_tokens, engine_options(quant, dtype), tp)
+    tokens, timings = result.tokens[0], result.timings
     if as_json:
         click.echo(json.dumps({"tokens": tokens, "timings": timings}))
         return
     click.echo(" ".join(map(str, tokens)))
     console.print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in timings.items()), highlight=False)
+
+
+@main.command()
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="HF checkpoint directory.")
+@click.option("--tp", type=int, default=None,
+              help="Launch TP ranks on this machine, one process each (rank 0 serves HTTP).")
+@click.option("--rank", type=int, default=None, help="Pod-per-rank form: run only this rank.")
+@click.option("--world", type=int, default=None, help="Pod-per-rank form: number of ranks in the group.")
+@click.option("--master", default=None, help="Pod-per-rank form: HOST:PORT of rank 0's rendezvous.")
+@click.option("--quant", type=click.Choice(["none", "w8a8"]), default="none", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP address of rank 0.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="HTTP port of rank 0 (0 picks a free one).")
+@click.option("--connect-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Seconds a rank waits for the whole group to form before failing.")
+def serve(model_dir, tp, rank, world, master, quant, dtype, host, port, connect_timeout):
+    """Serve MODEL over HTTP with tensor parallelism.
+
+    \b
+    Local:        podsnap serve --model DIR --tp 2 --port 8000
+    Pod per rank: podsnap serve --model DIR --rank R --world N --master HOST:PORT
+    API: POST /v1/completions {"prompt": [ids], "max_tokens": N, "temperature": 0},
+         GET /health, GET /metrics (Prometheus).
+    """
+    from podsnap.engine.config import ModelConfig
+    from podsnap.engine.launch import launch_local_pods
+    from podsnap.engine.server import serve_rank
+    from podsnap.engine.sharding import check_world_size
+
+    pod_form = (rank, world, master)
+    if tp is not None and any(v is not None for v in pod_form):
+        raise click.UsageError("give either --tp N (local) or --rank/--world/--master (pod per rank), not both")
+    if tp is None and any(v is None for v in pod_form):
+        raise click.UsageError("give --tp N, or all of --rank, --world and --master")
+    cfg = ModelConfig.load(model_dir)
+    check_world_size(cfg, tp if tp is not None else world)
+    if tp is None and not 0 <= rank < world:
+        raise click.BadParameter(f"--rank {rank} must be in 0..{world - 1} for --world {world}")
+    if tp is not None:
+        args = ["--model", str(model_dir), "--quant", quant, "--dtype", dtype, "--host", host, "--port", str(port),
+                "--connect-timeout", str(connect_timeout)]
+        procs = launch_local_pods(tp, args)
+        sys.exit(max((p.returncode or 0) for p in procs))
+    serve_rank(rank, world, master, str(model_dir), engine_options(quant, dtype), host, port, connect_timeout)
 
 
 @main.command()

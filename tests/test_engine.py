@@ -42,7 +42,7 @@ def test_state_contract_w8a8(model_factory):
     q = by_name["model.layers.0.self_attn.q_proj.qweight"]
     assert q.meta.role is Role.DERIVED and q.meta.layout == "nz" and q.dtype == "int8"
     assert q.meta.interval.logical == "model.layers.0.self_attn.q_proj.weight"
-    assert (q.meta.interval.start, q.meta.interval.stop) == (0, 64)
+    assert (q.meta.interval.start, q.meta.interval.stop) == (0, 128)
     assert "model.layers.0.self_attn.q_proj.weight" not in by_name  # the float weight is gone
     assert by_name["model.layers.0.self_attn.q_proj.wscale"].meta.role is Role.DERIVED
     assert by_name["lm_head.weight"].meta.role is Role.PARAMETER  # not quantized

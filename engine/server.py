@@ -1,0 +1,230 @@
+"""The serving front end of rank 0: an HTTP API over the engine's step loop.
+
+    POST /v1/completions  {"prompt": [token ids], "max_tokens": N, "temperature": 0}
+    GET  /health          200 {"status": "ok"} once the engine serves
+    GET  /metrics         Prometheus text: tokens, requests, step latency, queue depth
+
+HTTP handler threads validate a request and put it on the inbox; the step
+loop (the main thread) admits inbox requests at step boundaries and runs
+continuous batching. While the loop is busy with something else (a snapshot,
+a rebuild) requests wait in the inbox: they are queued, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from podsnap.errors import PodsnapError
+
+from .llm_engine import LLMEngine
+from .scheduler import Sequence
+
+MAX_BODY_BYTES = 1 << 20
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass
+class Completion:
+    prompt: list[int]
+    max_tokens: int
+    done: threading.Event = field(default_factory=threading.Event)
+    seq: Sequence | None = None
+    error: str | None = None
+
+
+def parse_completion(body: bytes) -> Completion:
+    """Validate a /v1/completions body; BadRequest says what is wrong."""
+    try:
+        req = json.loads(body or b"")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise BadRequest("body must be a JSON object")
+    prompt = req.get("prompt")
+    if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
+        raise BadRequest("'prompt' must be a non-empty list of token ids (integers); this server has no tokenizer")
+    max_tokens = req.get("max_tokens", 16)
+    if type(max_tokens) is not int or max_tokens < 1:
+        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+    temperature = req.get("temperature", 0)
+    if not isinstance(temperature, int | float) or temperature != 0:
+        raise BadRequest(f"'temperature' {temperature!r} is not supported: only greedy decoding (0) is implemented")
+    return Completion(prompt, max_tokens)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.tokens = Counter("podsnap_generated_tokens", "Tokens generated", registry=self.registry)
+        self.requests = Counter("podsnap_requests", "Completion requests by result", ["result"],
+                                registry=self.registry)
+        self.step_latency = Histogram("podsnap_step_latency_seconds", "Engine step latency", ["kind"],
+                                      registry=self.registry,
+                                      buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.queued = Gauge("podsnap_queued_requests", "Requests waiting to be admitted", registry=self.registry)
+        self.running = Gauge("podsnap_running_requests", "Requests being generated", registry=self.registry)
+
+
+class EngineServer:
+    def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, model_name: str = "podsnap"):
+        self.engine = engine
+        self.model_name = model_name
+        self.inbox: queue.Queue[Completion] = queue.Queue()
+        self.active: dict[int, Completion] = {}
+        self.metrics = Metrics()
+        self.stopping = threading.Event()
+        self.http = ThreadingHTTPServer((host, port), self._handler_class())
+        self.http.daemon_threads = True
+
+    @property
+    def port(self) -> int:
+        return self.http.server_address[1]
+
+    # --- the step loop (main thread) -------------------------------------------
+
+    def serve_forever(self) -> None:
+        thread = threading.Thread(target=self.http.serve_forever, name="http", daemon=True)
+        thread.start()
+        try:
+            while not self.stopping.is_set():
+                self.admit(block=not self.engine.scheduler.has_work)
+                if self.engine.scheduler.has_work:
+                    self.step()
+        finally:
+            self.http.shutdown()
+            self.http.server_close()
+            self.engine.stop_followers()
+            for c in [*self.active.values(), *self._drain()]:
+                c.error = "the server is shutting down"
+                c.done.set()
+
+    def _drain(self) -> list[Completion]:
+        out = []
+        while not self.inbox.empty():
+            out.append(self.inbox.get_nowait())
+        return out
+
+    def admit(self, block: bool) -> None:
+        """Move inbox requests into the scheduler (waits briefly for one when idle)."""
+        try:
+            first = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        for c in [first, *self._drain()]:
+            try:
+                c.seq = self.engine.add_request(c.prompt, c.max_tokens)
+                self.active[c.seq.seq_id] = c
+            except PodsnapError as e:
+                c.error = str(e)
+                c.done.set()
+        self.metrics.queued.set(self.inbox.qsize())
+        self.metrics.running.set(len(self.active))
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        result = self.engine.step()
+        self.metrics.step_latency.labels("prefill" if result.prefill else "decode").observe(time.perf_counter() - t)
+        self.metrics.tokens.inc(len(result.seqs))
+        for seq in result.finished:
+            c = self.active.pop(seq.seq_id)
+            self.metrics.requests.labels("ok").inc()
+            c.done.set()
+        self.metrics.running.set(len(self.active))
+
+    # --- HTTP (handler threads) ------------------------------------------------
+
+    def submit(self, body: bytes) -> tuple[int, dict]:
+        try:
+            c = parse_completion(body)
+            self.engine.validate_request(c.prompt, c.max_tokens)
+        except (BadRequest, PodsnapError) as e:
+            self.metrics.requests.labels("bad_request").inc()
+            return HTTPStatus.BAD_REQUEST, {"error": {"message": str(e), "type": "invalid_request_error"}}
+        self.inbox.put(c)
+        self.metrics.queued.set(self.inbox.qsize())
+        c.done.wait()
+        if c.error:
+            self.metrics.requests.labels("error").inc()
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"error": {"message": c.error, "type": "server_error"}}
+        out = c.seq.output_ids
+        return HTTPStatus.OK, {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "text": " ".join(map(str, out)), "token_ids": out,
+                         "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": len(c.prompt), "completion_tokens": len(out),
+                      "total_tokens": len(c.prompt) + len(out)}}
+
+    def _handler_class(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):  # keep stderr for errors
+                pass
+
+            def send(self, status: int, payload, content_type: str = "application/json") -> None:
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self.send(HTTPStatus.OK, {"status": "ok", "world_size": server.engine.world_size})
+                elif self.path == "/metrics":
+                    self.send(HTTPStatus.OK, generate_latest(server.metrics.registry), CONTENT_TYPE_LATEST)
+                else:
+                    self.send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route GET {self.path}"}})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_BODY_BYTES:
+                    self.send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                              {"error": {"message": f"body of {length} bytes exceeds {MAX_BODY_BYTES}"}})
+                    return
+                body = self.rfile.read(length)
+                if self.path == "/v1/completions":
+                    self.send(*server.submit(body))
+                else:
+                    self.send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route POST {self.path}"}})
+
+        return Handler
+
+
+def serve_rank(rank: int, world: int, master: str, model_dir: str, options, host: str = "127.0.0.1",
+               port: int = 8000, connect_timeout_s: float = 60.0) -> None:
+    """One rank of a serving group (one pod): form the group, cold-start, then serve or follow."""
+    import signal
+
+    from podsnap.comm_rebuild.groups import destroy_world, init_world
+
+    init_world(master, rank, world, timeout_s=connect_timeout_s)
+    try:
+        engine = LLMEngine.cold_start(model_dir, options, rank, world)
+        if rank != 0:
+            engine.follow()
+            return
+        server = EngineServer(engine, host, port)
+        signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
+        signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
+        print(f"podsnap: serving on http://{host}:{server.port} (tp={world})", flush=True)
+        server.serve_forever()
+    finally:
+        destroy_world()
