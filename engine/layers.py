@@ -72,6 +72,7 @@ class Linear(nn.Module):
                                                         requires_grad=False)
         self.register_buffer("qweight", None)  # int8 FRACTAL_NZ of weight.T, after W8A8
         self.register_buffer("wscale", None)  # fp32 scale per output channel, after W8A8
+        self.derive_on_first_use = None  # restore: converts an ND qweight to the device layout
 
     @property
     def is_quantized(self) -> bool:
@@ -89,6 +90,8 @@ class Linear(nn.Module):
         return self._forward_w8a8(x)
 
     def _forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        if self.derive_on_first_use is not None:  # on-demand derivation after a portable restore
+            self.qweight, self.derive_on_first_use = self.derive_on_first_use(self.qweight), None
         absmax = x.float().abs().amax(dim=-1)
         if self.parallel == "row":  # quantize as if this rank held the whole input row
             absmax = tp.all_reduce(absmax, op="max")
@@ -107,5 +110,6 @@ class Linear(nn.Module):
             return {"weight": TensorMeta(Role.PARAMETER, "nd", self.shard)}
         # the per-output-channel scale covers the output rows this rank computes
         scale_rows = self.shard if self.parallel == "column" else None
-        return {"qweight": TensorMeta(Role.DERIVED, "nz", self.shard),
+        nd = (self.in_features, self.out_features)  # qweight is the NZ form of the int8 weight.T
+        return {"qweight": TensorMeta(Role.DERIVED, "nz", self.shard, nd_shape=nd),
                 "wscale": TensorMeta(Role.DERIVED, "nd", scale_rows)}

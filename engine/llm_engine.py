@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ class EngineOptions:
     block_size: int = 16
     kv_cache_tokens: int = 8192
     max_batch_tokens: int = 4096
+    compile: bool = False  # torch.compile the dense FFN blocks (engine/compile.py)
 
     def __post_init__(self):
         if self.quant not in QUANT_MODES:
@@ -56,6 +58,9 @@ class EngineOptions:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -83,7 +88,7 @@ class StepResult:
 
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, model: CausalLM, options: EngineOptions, timings: Timings,
-                 platform: CpuPlatform):
+                 platform: CpuPlatform, compile_cache: Path | None = None):
         self.cfg, self.model, self.options, self.timings = cfg, model, options, timings
         self.platform = platform
         self.kv_cache = KVCache(cfg.num_hidden_layers, options.kv_cache_tokens // options.block_size,
@@ -91,8 +96,26 @@ class LLMEngine:
                                 options.torch_dtype)
         self.blocks = BlockManager(self.kv_cache.num_blocks, options.block_size)
         self.scheduler = Scheduler(self.blocks, options.max_batch_tokens)
+        self.model_dir: Path | None = None  # the checkpoint a cold start read (None after a restore)
+        self.restored_from = None  # after a restore: where the state came from (snapshot id, weights hash)
+        # control ops rank 0 may broadcast besides "step"/"stop" (e.g. "snapshot"), by name
+        self.control_handlers: dict[str, Callable[[LLMEngine, dict], None]] = {}
         self.keep_logits = False  # tests: keep each step's logits in step_logits
         self.step_logits: list[torch.Tensor] = []
+        self.compile_cache_dir: Path | None = None
+        if options.compile:
+            self.enable_compile(compile_cache)
+
+    def enable_compile(self, cache_dir: Path | None = None) -> None:
+        """Compile the dense FFN blocks, caching under ``cache_dir`` (default: a fresh private dir)."""
+        from .compile import compile_model, configure_cache, private_cache_dir
+
+        self.compile_cache_dir = configure_cache(cache_dir or private_cache_dir())
+        compile_model(self.model)
+
+    def warmup(self) -> None:
+        """Run a prefill and a decode step so that compiled graphs exist before serving (or a snapshot)."""
+        self.generate([[1, 2, 3]], max_tokens=2)
 
     @classmethod
     def cold_start(cls, model_dir: str | Path, options: EngineOptions | None = None,
@@ -115,7 +138,9 @@ class LLMEngine:
         t = time.perf_counter()
         platform.postprocess(model, options.quant)
         timings.postprocess = time.perf_counter() - t
-        return cls(cfg, model, options, timings, platform)
+        engine = cls(cfg, model, options, timings, platform)
+        engine.model_dir = Path(model_dir)
+        return engine
 
     # --- generation -------------------------------------------------------
 
@@ -182,8 +207,19 @@ class LLMEngine:
                 return
             if msg["op"] == "step":
                 self.model(msg["ids"], msg["ctx"], self.kv_cache, msg["last_only"])
+            elif msg["op"] in self.control_handlers:
+                self.control_handlers[msg["op"]](self, msg)
             else:
                 raise PodsnapError(f"rank {self.rank}: unknown control op {msg['op']!r} from rank 0")
+
+    def collective(self, msg: dict):
+        """Rank 0: run control op ``msg["op"]`` on every rank (followers via broadcast) at this step boundary."""
+        handler = self.control_handlers.get(msg["op"])
+        if handler is None:
+            raise PodsnapError(f"no handler for control op {msg['op']!r} on this engine")
+        if self.world_size > 1:
+            tp.broadcast_step(msg)
+        return handler(self, msg)
 
     def stop_followers(self) -> None:
         """Release the followers from ``follow()``; a follower that is already gone is not an error."""

@@ -151,6 +151,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, ctx, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), ctx, k_cache, v_cache)
+        return self.ffn(x)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward half of the layer (what ``--compile`` compiles)."""
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -52,9 +52,17 @@ class CpuPlatform:
         ``row_absmax`` is the max |w| of each output row over the *unsharded*
         input dimension, for a rank that holds only some columns.
         """
-        w = weight.float()
-        q, scale = quant.quantize_per_channel(w, row_absmax)
-        return nz.nd_to_nz(q.t()), scale
+        q, scale = quant.quantize_per_channel(weight.float(), row_absmax)
+        return self.to_device_layout(q.t()), scale
+
+    @staticmethod
+    def to_device_layout(nd: torch.Tensor) -> torch.Tensor:
+        """The matmul layout this device wants for an int8 ``(in, out)`` weight: FRACTAL_NZ."""
+        return nz.nd_to_nz(nd)
+
+    @property
+    def layout_tag(self) -> str:
+        return f"{self.name}/{self.weight_layout}"
 
     @staticmethod
     def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,11 +3,13 @@
     POST /v1/completions  {"prompt": [token ids], "max_tokens": N, "temperature": 0}
     GET  /health          200 {"status": "ok"} once the engine serves
     GET  /metrics         Prometheus text: tokens, requests, step latency, queue depth
+    POST /admin/snapshot  {"name": optional, "with_kv": false, "portable": false}; needs --store
 
 HTTP handler threads validate a request and put it on the inbox; the step
 loop (the main thread) admits inbox requests at step boundaries and runs
-continuous batching. While the loop is busy with something else (a snapshot,
-a rebuild) requests wait in the inbox: they are queued, never dropped.
+continuous batching. Admin operations (a snapshot) run between two steps
+on every rank; while they run, requests wait in the inbox: they are queued,
+never dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ MAX_BODY_BYTES = 1 << 20
 
 class BadRequest(Exception):
     pass
+
+
+@dataclass
+class AdminOp:
+    msg: dict  # the control op broadcast to every rank
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -83,9 +93,12 @@ class EngineServer:
         self.engine = engine
         self.model_name = model_name
         self.inbox: queue.Queue[Completion] = queue.Queue()
+        self.admin: queue.Queue[AdminOp] = queue.Queue()
         self.active: dict[int, Completion] = {}
         self.metrics = Metrics()
         self.stopping = threading.Event()
+        self.admin_routes: dict = {}  # path -> fn(body) -> (status, payload), added by serve_rank
+        self.startup = {**engine.timings.to_dict(), "restored": engine.restored_from is not None}
         self.http = ThreadingHTTPServer((host, port), self._handler_class())
         self.http.daemon_threads = True
 
@@ -100,6 +113,7 @@ class EngineServer:
         thread.start()
         try:
             while not self.stopping.is_set():
+                self.run_admin_ops()
                 self.admit(block=not self.engine.scheduler.has_work)
                 if self.engine.scheduler.has_work:
                     self.step()
@@ -116,6 +130,26 @@ class EngineServer:
         while not self.inbox.empty():
             out.append(self.inbox.get_nowait())
         return out
+
+    def run_admin_ops(self) -> None:
+        """Run queued admin ops at this step boundary, on every rank."""
+        while not self.admin.empty():
+            op = self.admin.get_nowait()
+            t = time.perf_counter()
+            try:
+                op.result = self.engine.collective(op.msg) or {}
+                op.result["paused_seconds"] = round(time.perf_counter() - t, 6)
+            except Exception as e:  # reported to the caller; the engine keeps serving
+                op.error = f"{type(e).__name__}: {e}" if not isinstance(e, PodsnapError) else str(e)
+            op.done.set()
+
+    def submit_admin(self, msg: dict) -> tuple[int, dict]:
+        op = AdminOp(msg)
+        self.admin.put(op)
+        op.done.wait()
+        if op.error:
+            return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": op.error, "type": "server_error"}}
+        return HTTPStatus.OK, op.result
 
     def admit(self, block: bool) -> None:
         """Move inbox requests into the scheduler (waits briefly for one when idle)."""
@@ -187,7 +221,8 @@ class EngineServer:
 
             def do_GET(self):
                 if self.path == "/health":
-                    self.send(HTTPStatus.OK, {"status": "ok", "world_size": server.engine.world_size})
+                    self.send(HTTPStatus.OK, {"status": "ok", "world_size": server.engine.world_size,
+                                              "startup": server.startup})
                 elif self.path == "/metrics":
                     self.send(HTTPStatus.OK, generate_latest(server.metrics.registry), CONTENT_TYPE_LATEST)
                 else:
@@ -202,29 +237,68 @@ class EngineServer:
                 body = self.rfile.read(length)
                 if self.path == "/v1/completions":
                     self.send(*server.submit(body))
+                elif self.path in server.admin_routes:
+                    self.send(*server.admin_routes[self.path](body))
                 else:
                     self.send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route POST {self.path}"}})
 
         return Handler
 
 
-def serve_rank(rank: int, world: int, master: str, model_dir: str, options, host: str = "127.0.0.1",
-               port: int = 8000, connect_timeout_s: float = 60.0) -> None:
-    """One rank of a serving group (one pod): form the group, cold-start, then serve or follow."""
+def serve_rank(rank: int, world: int, master: str, start, host: str = "127.0.0.1", port: int = 8000,
+               connect_timeout_s: float = 60.0, store: str | None = None) -> None:
+    """One rank of a serving group (one pod): form the group, start the engine, then serve or follow.
+
+    ``start(rank, world)`` makes the engine (a cold start or a warm restore).
+    With ``store``, ``POST /admin/snapshot`` writes snapshots there.
+    """
     import signal
 
     from podsnap.comm_rebuild.groups import destroy_world, init_world
 
     init_world(master, rank, world, timeout_s=connect_timeout_s)
     try:
-        engine = LLMEngine.cold_start(model_dir, options, rank, world)
+        engine = start(rank, world)
+        from .generate import warm_up
+
+        warm_up(engine)
+        if store:
+            from podsnap.snapshot.capture import snapshot_handler
+
+            engine.control_handlers["snapshot"] = snapshot_handler(store)
         if rank != 0:
             engine.follow()
             return
         server = EngineServer(engine, host, port)
+        if store:
+            server.admin_routes["/admin/snapshot"] = lambda body: admin_snapshot(server, store, body)
         signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
         print(f"podsnap: serving on http://{host}:{server.port} (tp={world})", flush=True)
         server.serve_forever()
     finally:
         destroy_world()
+
+
+def admin_snapshot(server: EngineServer, store: str, body: bytes) -> tuple[int, dict]:
+    """Validate a snapshot request in the handler thread; run it at the next step boundary."""
+    from podsnap.snapshot.store import Store, StoreError, check_snapshot_id, new_snapshot_id
+
+    try:
+        req = json.loads(body or b"{}")
+        if not isinstance(req, dict):
+            raise BadRequest("body must be a JSON object")
+        unknown = set(req) - {"name", "with_kv", "portable"}
+        if unknown:
+            raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: name, with_kv, portable")
+        name = check_snapshot_id(req["name"]) if req.get("name") is not None else new_snapshot_id()
+        flags = {k: req.get(k, False) for k in ("with_kv", "portable")}
+        if not all(isinstance(v, bool) for v in flags.values()):
+            raise BadRequest("'with_kv' and 'portable' must be true or false")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return HTTPStatus.BAD_REQUEST, {"error": {"message": f"body is not valid JSON: {e}"}}
+    except (BadRequest, StoreError) as e:
+        return HTTPStatus.BAD_REQUEST, {"error": {"message": str(e)}}
+    if Store(store).manifest_path(name).exists():
+        return HTTPStatus.CONFLICT, {"error": {"message": f"snapshot {name!r} already exists in {store}"}}
+    return server.submit_admin({"op": "snapshot", "name": name, **flags})

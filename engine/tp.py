@@ -30,3 +30,13 @@ def broadcast_step(message: dict | None = None) -> dict:
     box = [message]
     dist.broadcast_object_list(box, src=0, group=group.handle)
     return box[0]
+
+
+def gather_to_leader(obj):
+    """Every rank sends ``obj``; rank 0 gets the list by rank, the others get None."""
+    group = registry.get("world")
+    if group is None or group.size == 1:
+        return [obj]
+    out = [None] * group.size if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group.handle)
+    return out

@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from podsnap import __version__
@@ -32,6 +42,16 @@ def parse_token_ids(value: str) -> list[int]:
     if any(i < 0 for i in ids):
         raise click.BadParameter(f"token ids must be >= 0, got {min(ids)}")
     return ids
+
+
+@contextmanager
+def byte_progress(description: str, total: int | None, enabled: bool = True):
+    """A rich bytes/throughput bar; yields a thread-safe ``advance(nbytes)`` callback."""
+    columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+               TransferSpeedColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 class PodsnapGroup(click.Group):
@@ -89,65 +109,123 @@ def make_tiny_cmd(arch, out, preset, seed, shards, as_json):
         click.echo(f"wrote {arch}/{preset} (seed {seed}) to {out}: {len(files)} files, {size / 2**20:.1f} MiB")
 
 
-def engine_options(quant: str, dtype: str):
+def engine_options(quant: str | None, dtype: str | None, use_compile: bool = False):
     from podsnap.engine.llm_engine import EngineOptions
 
-    return EngineOptions(quant=quant, dtype=dtype)
+    return EngineOptions(quant=quant or "none", dtype=dtype or "float32", compile=use_compile)
+
+
+def start_options(f):
+    """Options shared by `generate` and `serve`: where the engine's state comes from."""
+    opts = [
+        click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+                     help="HF checkpoint directory. With --restore: the model the snapshot must match "
+                          "(checked by tensor values)."),
+        click.option("--restore", default=None, metavar="STORE:SNAPSHOT",
+                     help="Warm start from a snapshot instead of reading and post-processing the checkpoint."),
+        click.option("--quant", type=click.Choice(["none", "w8a8"]), default=None,
+                     help="Post-processing: w8a8 = int8 weights (FRACTAL_NZ), per-token int8 activations. "
+                          "[default: none; with --restore: the snapshot's]"),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+                     help="Compute dtype (float32 is the fast one on CPUs without native bf16). "
+                          "[default: float32; with --restore: the snapshot's]"),
+        click.option("--verify", type=click.Choice(["full", "sample", "none"]), default="full", show_default=True,
+                     help="With --restore: hash verification of the restored tensors."),
+        click.option("--load-mode", type=click.Choice(["read", "mmap"]), default="read", show_default=True,
+                     help="With --restore: parallel range reads, or zero-copy private mmap."),
+        click.option("--force", is_flag=True, help="With --restore: restore even if the fingerprint differs."),
+        click.option("--compile", "use_compile", is_flag=True,
+                     help="torch.compile the dense FFN blocks (a restore reuses the snapshot's compile cache)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def engine_factory(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile=False, progress=None):
+    """A picklable ``(rank, world) -> LLMEngine``: a cold start, or a warm start from --restore."""
+    from podsnap.engine.generate import cold
+
+    if restore is None:
+        if model_dir is None:
+            raise click.UsageError("give --model DIR (cold start) or --restore STORE:SNAPSHOT (warm start)")
+        return cold(model_dir, engine_options(quant, dtype, use_compile))
+    from podsnap.engine.llm_engine import EngineOptions
+    from podsnap.restore.warm import parse_restore_ref, warm_start
+
+    store, snap = parse_restore_ref(restore)
+    options = None
+    if quant or dtype:  # asked for explicitly: the snapshot must match
+        manifest_opts = _snapshot_options(store, snap)
+        options = EngineOptions(**{**manifest_opts, **({"quant": quant} if quant else {}),
+                                   **({"dtype": dtype} if dtype else {})})
+    return partial(warm_start, store, snap, model_dir=model_dir, options=options, verify=verify,
+                   load_mode=load_mode, force=force, progress=progress)
+
+
+def _snapshot_options(store: str, snap: str) -> dict:
+    from podsnap.snapshot.store import Store
+
+    return Store(store, create=False).load(snap).options
 
 
 @main.command()
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
-              help="HF checkpoint directory (config.json + *.safetensors).")
+@start_options
 @click.option("--prompt-ids", required=True, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               help="Tokens to generate (greedy).")
-@click.option("--quant", type=click.Choice(["none", "w8a8"]), default="none", show_default=True,
-              help="Post-processing: w8a8 = int8 weights (FRACTAL_NZ) with per-token int8 activations.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Compute dtype (float32 is the fast one on CPUs without native bf16).")
 @click.option("--tp", type=int, default=1, show_default=True,
               help="Tensor-parallel ranks, one process each; any number up to the model's attention heads.")
 @click.option("--json", "as_json", is_flag=True, help="Print {tokens, timings} as one JSON object.")
-def generate(model_dir, prompt_ids, max_tokens, quant, dtype, tp, as_json):
-    """Cold-start the engine on MODEL and generate greedily."""
+def generate(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile, prompt_ids, max_tokens, tp,
+             as_json):
+    """Start the engine (cold, or warm with --restore) and generate greedily."""
     from podsnap.engine.config import ModelConfig
     from podsnap.engine.generate import generate as run_generate
     from podsnap.engine.sharding import check_world_size
 
     prompt = parse_token_ids(prompt_ids)
-    check_world_size(ModelConfig.load(model_dir), tp)
-    result = run_generate(model_dir, [prompt], max_tokens, engine_options(quant, dtype), tp)
+    if model_dir is not None:
+        check_world_size(ModelConfig.load(model_dir), tp)
+    show = restore is not None and tp == 1 and not as_json
+    with byte_progress("restoring", None, enabled=show) as advance:
+        start = engine_factory(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile,
+                               progress=advance if show else None)
+        result = run_generate(start, [prompt], max_tokens, tp=tp)
     tokens, timings = result.tokens[0], result.timings
     if as_json:
-        click.echo(json.dumps({"tokens": tokens, "timings": timings}))
+        click.echo(json.dumps({"tokens": tokens, "timings": timings, "postprocess_calls": result.postprocess_calls,
+                               "compile_cache": result.compile_cache}))
         return
     click.echo(" ".join(map(str, tokens)))
-    console.print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in timings.items()), highlight=False)
+    console.print(", ".join(f"{k} {v * 1000:.1f} ms" for k, v in timings.items() if k != "decode_tokens_per_s"),
+                  highlight=False)
 
 
 @main.command()
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
-              help="HF checkpoint directory.")
+@start_options
 @click.option("--tp", type=int, default=None,
               help="Launch TP ranks on this machine, one process each (rank 0 serves HTTP).")
 @click.option("--rank", type=int, default=None, help="Pod-per-rank form: run only this rank.")
 @click.option("--world", type=int, default=None, help="Pod-per-rank form: number of ranks in the group.")
 @click.option("--master", default=None, help="Pod-per-rank form: HOST:PORT of rank 0's rendezvous.")
-@click.option("--quant", type=click.Choice(["none", "w8a8"]), default="none", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP address of rank 0.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="HTTP port of rank 0 (0 picks a free one).")
 @click.option("--connect-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds a rank waits for the whole group to form before failing.")
-def serve(model_dir, tp, rank, world, master, quant, dtype, host, port, connect_timeout):
-    """Serve MODEL over HTTP with tensor parallelism.
+@click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Snapshot store for POST /admin/snapshot (each rank writes its own tensors there).")
+def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile, tp, rank, world, master, host,
+          port, connect_timeout, store):
+    """Serve over HTTP with tensor parallelism (cold start, or warm with --restore).
 
     \b
-    Local:        podsnap serve --model DIR --tp 2 --port 8000
+    Local:        podsnap serve --model DIR --tp 2 --port 8000 [--store S]
     Pod per rank: podsnap serve --model DIR --rank R --world N --master HOST:PORT
+    Warm start:   podsnap serve --restore S:SNAPSHOT --tp 2
     API: POST /v1/completions {"prompt": [ids], "max_tokens": N, "temperature": 0},
-         GET /health, GET /metrics (Prometheus).
+         GET /health, GET /metrics (Prometheus), POST /admin/snapshot (with --store).
     """
     from podsnap.engine.config import ModelConfig
     from podsnap.engine.launch import launch_local_pods
@@ -159,27 +237,38 @@ def serve(model_dir, tp, rank, world, master, quant, dtype, host, port, connect_
         raise click.UsageError("give either --tp N (local) or --rank/--world/--master (pod per rank), not both")
     if tp is None and any(v is None for v in pod_form):
         raise click.UsageError("give --tp N, or all of --rank, --world and --master")
-    cfg = ModelConfig.load(model_dir)
-    check_world_size(cfg, tp if tp is not None else world)
+    ranks = tp if tp is not None else world
+    if model_dir is not None:
+        check_world_size(ModelConfig.load(model_dir), ranks)
+    start = engine_factory(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile)
     if tp is None and not 0 <= rank < world:
         raise click.BadParameter(f"--rank {rank} must be in 0..{world - 1} for --world {world}")
     if tp is not None:
-        args = ["--model", str(model_dir), "--quant", quant, "--dtype", dtype, "--host", host, "--port", str(port),
-                "--connect-timeout", str(connect_timeout)]
+        if tp < 1:
+            raise click.BadParameter(f"--tp {tp}: the number of ranks must be at least 1")
+        args = [*(["--model", str(model_dir)] if model_dir else []), *(["--restore", restore] if restore else []),
+                *(["--quant", quant] if quant else []), *(["--dtype", dtype] if dtype else []),
+                "--verify", verify, "--load-mode", load_mode, *(["--force"] if force else []),
+                *(["--compile"] if use_compile else []),
+                *(["--store", str(store)] if store else []),
+                "--host", host, "--port", str(port), "--connect-timeout", str(connect_timeout)]
         procs = launch_local_pods(tp, args)
         sys.exit(max((p.returncode or 0) for p in procs))
-    serve_rank(rank, world, master, str(model_dir), engine_options(quant, dtype), host, port, connect_timeout)
+    serve_rank(rank, world, master, start, host, port, connect_timeout, str(store) if store else None)
 
 
 @main.command()
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where to write the demo model (default: a temporary directory).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("podsnap-demo"),
+              show_default=True, help="Where the demo model, store and chart go.")
+@click.option("--preset", type=click.Choice(["tiny", "small", "1g"]), default="small", show_default=True,
+              help="Model size (1g shows the cold-start cost a restore skips).")
+@click.option("--quant", type=click.Choice(["none", "w8a8"]), default="w8a8", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the demo's figures as one JSON object.")
-def demo(workdir, as_json):
-    """Make a small model, cold-start it and generate: the main job, end to end."""
+def demo(workdir, preset, quant, as_json):
+    """The main job: cold-start a TP=2 server, snapshot it, restore it, compare tokens and times."""
     from podsnap.demo import run_demo
 
-    result = run_demo(workdir, console=None if as_json else console)
+    result = run_demo(workdir, preset, quant, console=None if as_json else console)
     if as_json:
         click.echo(json.dumps(result))
 
@@ -192,6 +281,10 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
         table.add_row(*map(str, r))
     console.print(table)
 
+
+from podsnap.cli_snapshot import snapshot  # noqa: E402  (registers `podsnap snapshot ...`)
+
+main.add_command(snapshot)
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,7 @@ class TensorMeta:
     role: Role
     layout: str = "nd"  # "nd" (row-major), "nz" (Ascend FRACTAL_NZ), ...
     interval: Interval | None = None  # None: the tensor is whole, not a shard of anything
+    nd_shape: tuple[int, ...] | None = None  # for a re-laid-out tensor: its shape in plain ND form
 
 
 @dataclass

@@ -4,29 +4,20 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from procs import alive, kill_tree, port_is_free
+from procs import alive, port_is_free
 
+from podsnap.client import ServerProcess, request_json
 from podsnap.engine.generate import generate
 
 PROMPTS = [[i % 250 + 1, (7 * i) % 250, 3] * (1 + i % 3) for i in range(16)]
 
 
-def post(url, body, timeout=60):
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+def post(url, body):
+    return request_json(url, body, timeout=120)
 
 
 def get(url):
@@ -36,33 +27,24 @@ def get(url):
 
 @pytest.fixture(scope="module")
 def server(model_factory):
-    """`podsnap serve --tp 2` in its own session; every rank is stopped by pid afterwards."""
-    proc = subprocess.Popen([sys.executable, "-m", "podsnap.cli", "serve", "--model", str(model_factory("llama")),
-                             "--tp", "2", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    pids = []
+    """`podsnap serve --tp 2`; afterwards no rank process is left and no port stays bound."""
+    srv = ServerProcess(["--model", str(model_factory("llama")), "--tp", "2"])
+    pids = srv.pids()
+    port = int(srv.url.rsplit(":", 1)[1])
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if m := re.search(r"serving on (http://[\d.]+:(\d+))", line):
-                break
-            assert line or proc.poll() is None, "server exited before serving"
-        else:
-            pytest.fail(f"server did not come up: {line}")
-        url, port = m.group(1), int(m.group(2))
-        yield url
+        yield srv.url
     finally:
-        pids = kill_tree(proc.pid)
-        proc.wait(10)
+        srv.stop()
+    assert len(pids) == 3  # the launcher and two ranks
     assert not any(alive(p) for p in pids), "a rank process outlived the test"
     assert port_is_free(port), f"port {port} is still bound"
 
 
 def test_health_and_world_size(server):
     status, body = get(f"{server}/health")
-    assert status == 200 and json.loads(body) == {"status": "ok", "world_size": 2}
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "ok" and health["world_size"] == 2
+    assert health["startup"]["restored"] is False and health["startup"]["load"] > 0
 
 
 def test_sixteen_concurrent_requests_match_generate(server, model_factory):
@@ -99,3 +81,33 @@ def test_server_keeps_serving_after_bad_requests(server):
     post(f"{server}/v1/completions", b"garbage")
     status, body = post(f"{server}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
     assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
+
+
+def test_snapshot_of_a_running_server_then_restore(model_factory, tmp_path):
+    """POST /admin/snapshot on a TP=2 server while requests stream in; all requests are served,
+    and a TP=2 restore from that snapshot gives the server's tokens."""
+    from functools import partial
+
+    from podsnap.restore.warm import warm_start
+    from podsnap.snapshot.store import Store
+
+    store = tmp_path / "store"
+    with ServerProcess(["--model", str(model_factory("qwen3-moe")), "--quant", "w8a8", "--tp", "2",
+                        "--store", str(store)]) as srv:
+        url = srv.url
+        with ThreadPoolExecutor(9) as pool:
+            requests = [pool.submit(post, f"{url}/v1/completions", {"prompt": p, "max_tokens": 12})
+                        for p in PROMPTS[:8]]
+            snap = pool.submit(post, f"{url}/admin/snapshot", {"name": "live", "with_kv": True})
+            replies = [r.result() for r in requests]
+            status, body = snap.result()
+        assert status == 200, body
+        assert body["snapshot"] == "live" and body["tensors"] > 0 and body["paused_seconds"] > 0
+        assert all(s == 200 for s, _ in replies)  # queued during the snapshot, none dropped
+        assert post(f"{url}/admin/snapshot", {"name": "live"})[0] == 409
+        assert post(f"{url}/admin/snapshot", {"name": "../etc"})[0] == 400
+        assert post(f"{url}/admin/snapshot", {"store": "/tmp/elsewhere"})[0] == 400  # paths are not taken
+    manifest = Store(store).load("live")
+    assert manifest.world_size == 2 and manifest.with_kv
+    restored = generate(partial(warm_start, str(store), "live"), PROMPTS[:8], 12, tp=2)
+    assert restored.tokens == [b["choices"][0]["token_ids"] for _, b in replies]

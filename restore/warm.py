@@ -1,0 +1,143 @@
+"""Warm start: a fresh engine process restores its state from the store.
+
+The model is built on the meta device (no memory, no weights read), every
+tensor of this rank is filled from the store by the loader, and the engine
+starts serving. Neither the HF checkpoint is read nor post-processing run
+(``platform.postprocess_calls`` stays 0). Before any byte is read, the
+snapshot's fingerprint is compared with what this start asks for: the
+model in ``--model`` (by tensor values), dtype, quantization, device layout,
+parallel plan and code versions; a difference refuses the restore and names
+the fields, unless ``force``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from podsnap.engine.config import ModelConfig
+from podsnap.engine.llm_engine import EngineOptions, LLMEngine, Timings
+from podsnap.engine.model import CausalLM
+from podsnap.engine.platform import get_platform
+from podsnap.engine.sharding import ShardPlan
+from podsnap.errors import PodsnapError
+from podsnap.snapshot.fingerprint import cached_weights_hash, make_fingerprint
+from podsnap.snapshot.manifest import Fingerprint, Manifest, RankRecord
+from podsnap.snapshot.store import Store
+
+from .loader import LoadStats, load_rank
+
+
+class FingerprintMismatch(PodsnapError):
+    def __init__(self, snapshot_id: str, snap: Fingerprint, requested: Fingerprint):
+        self.fields = snap.differences(requested)
+        super().__init__(f"snapshot {snapshot_id!r} does not match this start: {snap.describe(requested)}. "
+                         "Restore refused; pass --force to restore anyway")
+
+
+@dataclass
+class RestoredFrom:
+    snapshot_id: str
+    weights: str
+    load: LoadStats
+
+
+def parse_restore_ref(ref: str) -> tuple[str, str]:
+    """``STORE:SNAPSHOT`` -> (store path, snapshot id)."""
+    store, sep, snap = ref.rpartition(":")
+    if not sep or not store or not snap:
+        raise PodsnapError(f"--restore {ref!r} is not STORE:SNAPSHOT (e.g. /mnt/snapshots:snap-20260101-...)")
+    return store, snap
+
+
+def requested_fingerprint(manifest: Manifest, store: Store, world: int, model_dir: str | Path | None,
+                          options: EngineOptions | None) -> Fingerprint:
+    """The fingerprint this start would have made, to compare with the snapshot's."""
+    cfg = ModelConfig.load(model_dir) if model_dir else ModelConfig(**manifest.model_config)
+    weights = cached_weights_hash(model_dir, store) if model_dir else manifest.fingerprint.weights
+    opts = (options or EngineOptions(**manifest.options)).to_dict()
+    plan = ShardPlan.build(cfg, world).to_dict()
+    layout = get_platform(opts["platform"]).layout_tag
+    return make_fingerprint(cfg, weights, opts, plan, layout)
+
+
+def check_fingerprint(manifest: Manifest, requested: Fingerprint, force: bool) -> None:
+    if not manifest.fingerprint.differences(requested):
+        return
+    mismatch = FingerprintMismatch(manifest.snapshot_id, manifest.fingerprint, requested)
+    if not force:
+        raise mismatch
+    print(f"podsnap: warning: --force: {mismatch}", file=sys.stderr)
+
+
+def assign_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put each restored tensor where the module tree expects it (parameters and buffers)."""
+    for name, t in tensors.items():
+        prefix, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(prefix) if prefix else model
+        except AttributeError:
+            raise PodsnapError(f"snapshot tensor {name!r} has no place in this model") from None
+        if attr in module._parameters:
+            module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        elif attr in module._buffers:
+            module._buffers[attr] = t
+        else:
+            raise PodsnapError(f"snapshot tensor {name!r} has no place in this model")
+    for linear in model.linears():  # W8A8 linears keep no float weight
+        if linear.qweight is not None and linear.weight is not None and linear.weight.is_meta:
+            linear.weight = None
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise PodsnapError(f"the snapshot lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}")
+
+
+def restore_compile_cache(store: Store, rank: RankRecord) -> Path | None:
+    """Unpack this rank's stored inductor cache into a fresh private directory (hash-checked)."""
+    if not rank.compile_cache:
+        return None
+    from podsnap.engine.compile import private_cache_dir, unpack_cache
+
+    digest = rank.compile_cache["blob"]
+    problem = store.verify_blob(digest, rank.compile_cache["length"])
+    if problem:
+        raise PodsnapError(f"compile cache of rank {rank.rank}: {problem}")
+    return unpack_cache(store.blob_path(digest).read_bytes(), private_cache_dir())
+
+
+def warm_start(store_root: str | Path, snapshot_id: str, rank: int = 0, world_size: int = 1, *,
+               model_dir: str | Path | None = None, options: EngineOptions | None = None, verify: str = "full",
+               load_mode: str = "read", force: bool = False, progress=None) -> LLMEngine:
+    timings = Timings()
+    store = Store(store_root, create=False)
+    manifest = store.load(snapshot_id)
+    if world_size != manifest.world_size:
+        raise PodsnapError(f"snapshot {snapshot_id!r} was taken on {manifest.world_size} rank(s); restoring it on "
+                           f"{world_size} needs resharding, which this restore path does not do "
+                           f"(use --tp {manifest.world_size})")
+    check_fingerprint(manifest, requested_fingerprint(manifest, store, world_size, model_dir, options), force)
+    cfg = ModelConfig(**manifest.model_config)
+    options = EngineOptions(**manifest.options)
+    platform = get_platform(options.platform)
+    layout = ShardPlan.from_dict(manifest.plan).layouts[rank]
+    with torch.device("meta"):
+        model = CausalLM(cfg, layout)
+    tensors, stats = load_rank(store, manifest.ranks[rank], verify, load_mode, progress=progress)
+    kv = {n: tensors.pop(n) for n in [n for n in tensors if n.startswith("kv_cache.")]}
+    assign_state(model, tensors)
+    derived_later = {r.name for r in manifest.ranks[rank].tensors if r.derive}
+    for name, linear in model.named_modules():
+        if f"{name}.qweight" in derived_later:
+            linear.derive_on_first_use = platform.to_device_layout
+    timings.load = time.perf_counter() - timings.started
+    engine = LLMEngine(cfg, model, options, timings, platform, restore_compile_cache(store, manifest.ranks[rank]))
+    if kv:
+        engine.kv_cache.k.copy_(kv["kv_cache.k"])
+        engine.kv_cache.v.copy_(kv["kv_cache.v"])
+    engine.restored_from = RestoredFrom(snapshot_id, manifest.fingerprint.weights, stats)
+    return engine
