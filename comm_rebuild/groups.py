@@ -1,18 +1,27 @@
 """The group registry: every process group is looked up by role at call time.
 
-Roles are "world", "tp", "ep" and "dp". A rebuild destroys every group and
-bumps ``generation``; code that looked groups up by role picks up the new
-ones on its next call, and nothing holds a stale handle.
+Roles are "world", "tp", "ep" and "dp". ``join`` forms the groups of one
+generation through its rendezvous (``rendezvous.py``); ``teardown`` destroys
+them with a bound on the time it may take, also when a peer is dead. Code
+that looks groups up by role picks up the new ones on its next call, so no
+module holds a stale handle across a rebuild.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from podsnap.errors import PodsnapError
+
+from . import rendezvous
+from .discovery import interface_for
 
 ROLES = ("world", "tp", "ep", "dp")
 
@@ -32,6 +41,7 @@ class Group:
 class GroupRegistry:
     generation: int = 0
     groups: dict[str, Group] = field(default_factory=dict)
+    rendezvous: rendezvous.Rendezvous | None = None  # keeps this generation's store (and rank 0's server) alive
 
     def register(self, role: str, ranks: list[int], handle: object | None) -> Group:
         if role not in ROLES:
@@ -50,10 +60,19 @@ class GroupRegistry:
     def clear(self) -> None:
         """Forget every group (after the backend has been torn down)."""
         self.groups.clear()
-        self.generation += 1
+        self.rendezvous = None
 
 
 registry = GroupRegistry()
+
+
+@dataclass
+class JoinTimings:
+    rendezvous: float = 0.0  # find or host the store, wait for every rank to be ready
+    groups: float = 0.0  # create the process groups
+
+    def to_dict(self) -> dict:
+        return {"rendezvous": round(self.rendezvous, 6), "groups": round(self.groups, 6)}
 
 
 def is_distributed() -> bool:
@@ -68,29 +87,70 @@ def parse_master(master: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def init_world(master: str, rank: int, world: int, backend: str = "gloo", timeout_s: float = 60.0) -> None:
-    """Join the process group of ``world`` ranks at ``master`` and register world/tp/ep.
+def join(master_addr: str, port_base: int, generation: int, rank: int, world: int, backend: str = "gloo",
+         timeout_s: float = 60.0, own_addr: str | None = None, between=None) -> JoinTimings:
+    """Form generation ``generation``'s groups: rank 0 hosts the rendezvous, the others find it.
 
-    Fails with a clear error (not a hang) when the master cannot be reached
-    within ``timeout_s``.
+    ``between`` is called by rank 0 while it waits for the others (to keep
+    taking requests). ``own_addr`` pins gloo to the interface holding it.
     """
-    host, port = parse_master(master)
+    timings = JoinTimings()
     if world == 1:
-        return
+        registry.generation = generation
+        return timings
+    t = time.perf_counter()
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as e:
-        raise PodsnapError(f"rank {rank} of {world} could not form the process group at {host}:{port} within "
-                           f"{timeout_s:g} s ({str(e).splitlines()[0]}); check --master and that rank 0 "
-                           "is running and reachable") from None
+        if rank == 0:
+            rdzv = rendezvous.host(master_addr, port_base, generation, world, timeout_s)
+            rdzv.mark_ready(0)
+            rdzv.wait_all_ready(timeout_s, between)
+        else:
+            rdzv = rendezvous.find(master_addr, port_base, generation, world, timeout_s)
+            rdzv.mark_ready(rank)
+    except PodsnapError as e:
+        raise PodsnapError(f"rank {rank} of {world} could not form the process group at {master_addr}:{port_base} "
+                           f"within {timeout_s:g} s ({e}); check --master and that rank 0 is running and "
+                           "reachable") from None
+    timings.rendezvous = time.perf_counter() - t
+    t = time.perf_counter()
+    if own_addr and (ifname := interface_for(own_addr)):
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    dist.init_process_group(backend, store=dist.PrefixStore(f"podsnap/g{generation}/", rdzv.store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
     ranks = list(range(world))
     for role in ("world", "tp", "ep"):
         registry.register(role, ranks, dist.group.WORLD)
+    registry.rendezvous = rdzv
+    registry.generation = generation
+    timings.groups = time.perf_counter() - t
+    return timings
+
+
+def init_world(master: str, rank: int, world: int, backend: str = "gloo", timeout_s: float = 60.0) -> None:
+    """Generation 0 of a group whose rank 0 is at ``master`` (HOST:PORT)."""
+    host, port = parse_master(master)
+    join(host, port, 0, rank, world, backend, timeout_s)
+
+
+def teardown(timeout_s: float = 10.0) -> float:
+    """Destroy every group, waiting at most ``timeout_s``; returns the seconds it took.
+
+    Destroying a gloo group is local, but a backend may block on a dead peer,
+    so it runs on a helper thread; past the bound the old groups are
+    abandoned (reported on stderr) and the registry is cleared anyway.
+    """
+    t = time.perf_counter()
+    if is_distributed():
+        done = threading.Thread(target=dist.destroy_process_group, daemon=True, name="teardown")
+        done.start()
+        done.join(timeout_s)
+        if done.is_alive():
+            print(f"podsnap: teardown of generation {registry.generation} did not finish in {timeout_s:g} s; "
+                  "abandoning the old groups", file=sys.stderr)
+    registry.clear()
+    return time.perf_counter() - t
 
 
 def destroy_world() -> None:
     """Tear down every group (idempotent)."""
-    if is_distributed():
-        dist.destroy_process_group()
-    registry.clear()
+    teardown()

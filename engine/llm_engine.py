@@ -99,7 +99,7 @@ class LLMEngine:
         self.model_dir: Path | None = None  # the checkpoint a cold start read (None after a restore)
         self.restored_from = None  # after a restore: where the state came from (snapshot id, weights hash)
         # control ops rank 0 may broadcast besides "step"/"stop" (e.g. "snapshot"), by name
-        self.control_handlers: dict[str, Callable[[LLMEngine, dict], None]] = {}
+        self.control_handlers: dict[str, Callable[[LLMEngine, dict], None]] = {"ping": lambda engine, msg: None}
         self.keep_logits = False  # tests: keep each step's logits in step_logits
         self.step_logits: list[torch.Tensor] = []
         self.compile_cache_dir: Path | None = None

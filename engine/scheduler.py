@@ -80,6 +80,12 @@ class Scheduler:
                 self.blocks.grow(seq.block_table, len(seq))
         return list(self.running), False
 
+    def preempt_all(self) -> None:
+        """Give every running sequence's blocks back; each is recomputed from its tokens later
+        (after a rebuild the KV cache of the group cannot be trusted)."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks; it is recomputed from scratch later."""
         self.running.remove(seq)

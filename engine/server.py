@@ -32,6 +32,7 @@ from .llm_engine import LLMEngine
 from .scheduler import Sequence
 
 MAX_BODY_BYTES = 1 << 20
+HEARTBEAT_S = 1.0
 
 
 class BadRequest(Exception):
@@ -85,6 +86,9 @@ class Metrics:
                                       registry=self.registry,
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.queued = Gauge("podsnap_queued_requests", "Requests waiting to be admitted", registry=self.registry)
+        self.rebuilds = Counter("podsnap_rebuilds", "Group rebuilds by cause", ["cause"], registry=self.registry)
+        self.rebuild_seconds = Histogram("podsnap_rebuild_seconds", "Group rebuild duration", registry=self.registry,
+                                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
         self.running = Gauge("podsnap_running_requests", "Requests being generated", registry=self.registry)
 
 
@@ -97,7 +101,12 @@ class EngineServer:
         self.active: dict[int, Completion] = {}
         self.metrics = Metrics()
         self.stopping = threading.Event()
-        self.admin_routes: dict = {}  # path -> fn(body) -> (status, payload), added by serve_rank
+        self.last_heartbeat = time.monotonic()
+        self.admin_routes: dict = {}  # path -> fn(body) -> (status, payload), added by the pod
+        # called with the error when a step fails because the group broke (a rank died); it rebuilds
+        self.on_group_failure = None
+        self.on_stop = engine.stop_followers  # what rank 0 tells the followers when it stops
+        self.generation_info: dict = {}
         self.startup = {**engine.timings.to_dict(), "restored": engine.restored_from is not None}
         self.http = ThreadingHTTPServer((host, port), self._handler_class())
         self.http.daemon_threads = True
@@ -113,14 +122,21 @@ class EngineServer:
         thread.start()
         try:
             while not self.stopping.is_set():
-                self.run_admin_ops()
-                self.admit(block=not self.engine.scheduler.has_work)
-                if self.engine.scheduler.has_work:
-                    self.step()
+                try:
+                    self.run_admin_ops()
+                    self.admit(block=not self.engine.scheduler.has_work)
+                    if self.engine.scheduler.has_work:
+                        self.step()
+                    else:
+                        self.heartbeat()
+                except RuntimeError as e:  # gloo/nccl: a peer is gone or the group broke
+                    if self.on_group_failure is None or self.engine.world_size == 1:
+                        raise
+                    self.on_group_failure(e)
         finally:
             self.http.shutdown()
             self.http.server_close()
-            self.engine.stop_followers()
+            self.on_stop()
             for c in [*self.active.values(), *self._drain()]:
                 c.error = "the server is shutting down"
                 c.done.set()
@@ -141,6 +157,9 @@ class EngineServer:
                 op.result["paused_seconds"] = round(time.perf_counter() - t, 6)
             except Exception as e:  # reported to the caller; the engine keeps serving
                 op.error = f"{type(e).__name__}: {e}" if not isinstance(e, PodsnapError) else str(e)
+                if isinstance(e, RuntimeError) and not isinstance(e, PodsnapError):
+                    op.done.set()
+                    raise  # the group broke: the serve loop rebuilds it
             op.done.set()
 
     def submit_admin(self, msg: dict) -> tuple[int, dict]:
@@ -150,6 +169,18 @@ class EngineServer:
         if op.error:
             return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": op.error, "type": "server_error"}}
         return HTTPStatus.OK, op.result
+
+    def heartbeat(self) -> None:
+        """When idle, check the group with a no-op collective about once a second, so a dead rank is
+        noticed (and the group rebuilt) before the next request needs it."""
+        now = time.monotonic()
+        if self.engine.world_size > 1 and now - self.last_heartbeat > HEARTBEAT_S:
+            self.last_heartbeat = now
+            self.engine.collective({"op": "ping"})
+
+    def keep_admitting(self) -> None:
+        """While the group is being rebuilt: take requests into the queue, run nothing."""
+        self.admit(block=True)
 
     def admit(self, block: bool) -> None:
         """Move inbox requests into the scheduler (waits briefly for one when idle)."""
@@ -222,7 +253,7 @@ class EngineServer:
             def do_GET(self):
                 if self.path == "/health":
                     self.send(HTTPStatus.OK, {"status": "ok", "world_size": server.engine.world_size,
-                                              "startup": server.startup})
+                                              "startup": server.startup, **server.generation_info})
                 elif self.path == "/metrics":
                     self.send(HTTPStatus.OK, generate_latest(server.metrics.registry), CONTENT_TYPE_LATEST)
                 else:
@@ -243,41 +274,6 @@ class EngineServer:
                     self.send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route POST {self.path}"}})
 
         return Handler
-
-
-def serve_rank(rank: int, world: int, master: str, start, host: str = "127.0.0.1", port: int = 8000,
-               connect_timeout_s: float = 60.0, store: str | None = None) -> None:
-    """One rank of a serving group (one pod): form the group, start the engine, then serve or follow.
-
-    ``start(rank, world)`` makes the engine (a cold start or a warm restore).
-    With ``store``, ``POST /admin/snapshot`` writes snapshots there.
-    """
-    import signal
-
-    from podsnap.comm_rebuild.groups import destroy_world, init_world
-
-    init_world(master, rank, world, timeout_s=connect_timeout_s)
-    try:
-        engine = start(rank, world)
-        from .generate import warm_up
-
-        warm_up(engine)
-        if store:
-            from podsnap.snapshot.capture import snapshot_handler
-
-            engine.control_handlers["snapshot"] = snapshot_handler(store)
-        if rank != 0:
-            engine.follow()
-            return
-        server = EngineServer(engine, host, port)
-        if store:
-            server.admin_routes["/admin/snapshot"] = lambda body: admin_snapshot(server, store, body)
-        signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
-        signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
-        print(f"podsnap: serving on http://{host}:{server.port} (tp={world})", flush=True)
-        server.serve_forever()
-    finally:
-        destroy_world()
 
 
 def admin_snapshot(server: EngineServer, store: str, body: bytes) -> tuple[int, dict]:

@@ -216,8 +216,11 @@ def generate(model_dir, restore, quant, dtype, verify, load_mode, force, use_com
               help="Seconds a rank waits for the whole group to form before failing.")
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Snapshot store for POST /admin/snapshot (each rank writes its own tensors there).")
+@click.option("--restore-metadata", "metadata", type=click.Path(dir_okay=False), default=None,
+              help="Pod-per-rank form: JSON written by the controller on restore (generation, master_addr, "
+                   "port_base, rank_map); read at start and polled when the master moves.")
 def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile, tp, rank, world, master, host,
-          port, connect_timeout, store):
+          port, connect_timeout, store, metadata):
     """Serve over HTTP with tensor parallelism (cold start, or warm with --restore).
 
     \b
@@ -229,14 +232,15 @@ def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compil
     """
     from podsnap.engine.config import ModelConfig
     from podsnap.engine.launch import launch_local_pods
-    from podsnap.engine.server import serve_rank
+    from podsnap.engine.pod import PodConfig, metadata_path_ok, serve_rank
     from podsnap.engine.sharding import check_world_size
 
     pod_form = (rank, world, master)
     if tp is not None and any(v is not None for v in pod_form):
         raise click.UsageError("give either --tp N (local) or --rank/--world/--master (pod per rank), not both")
-    if tp is None and any(v is None for v in pod_form):
-        raise click.UsageError("give --tp N, or all of --rank, --world and --master")
+    if tp is None and (rank is None or world is None):
+        raise click.UsageError("give --tp N, or --rank and --world (with --master, MASTER_ADDR/MASTER_PORT or "
+                               "--restore-metadata)")
     ranks = tp if tp is not None else world
     if model_dir is not None:
         check_world_size(ModelConfig.load(model_dir), ranks)
@@ -254,7 +258,9 @@ def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compil
                 "--host", host, "--port", str(port), "--connect-timeout", str(connect_timeout)]
         procs = launch_local_pods(tp, args)
         sys.exit(max((p.returncode or 0) for p in procs))
-    serve_rank(rank, world, master, start, host, port, connect_timeout, str(store) if store else None)
+    cfg = PodConfig(rank, world, master, metadata_path_ok(metadata), host, port, connect_timeout,
+                    str(store) if store else None, deferred_join=restore is not None)
+    serve_rank(cfg, start)
 
 
 @main.command()

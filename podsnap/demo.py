@@ -19,7 +19,7 @@ from podsnap.client import ServerProcess, completion, request_json
 from podsnap.engine.tiny import make_tiny
 from podsnap.errors import PodsnapError
 
-PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [7] * 12, [100, 200, 300, 400]]
+PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [7] * 12, [100, 200, 150, 250]]
 MAX_TOKENS = 12
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
+from netns import PodNetwork
 
 from podsnap.engine.tiny import make_tiny
 
@@ -23,3 +27,22 @@ def model_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def pod_network():
+    """Pods as network namespaces on a bridge (tests/netns.py); deleted afterwards."""
+    try:
+        net = PodNetwork()
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        reason = f"cannot create network namespaces here: {getattr(e, 'stderr', '') or e}"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        print(reason)
+        pytest.skip(reason)
+    try:
+        yield net
+    finally:
+        net.close()
+        leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert net.tag not in leftover, "a test network namespace was not deleted"
