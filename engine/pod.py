@@ -59,6 +59,7 @@ class PodConfig:
     connect_timeout_s: float = 60.0
     store: str | None = None  # snapshot store for POST /admin/snapshot
     deferred_join: bool = False  # restore alone first, join afterwards
+    admin_token: str | None = None  # required from non-loopback callers of /admin/*
     backend: str = "gloo"
 
 
@@ -109,7 +110,7 @@ class Pod:
 
     def lead(self) -> None:
         cfg = self.cfg
-        server = self.server = EngineServer(self.engine, cfg.host, cfg.port)
+        server = self.server = EngineServer(self.engine, cfg.host, cfg.port, admin_token=cfg.admin_token)
         server.on_group_failure = lambda e: self.rebuild_as_leader("failure", {}, error=e)
         server.on_stop = self.leave_as_leader
         server.admin_routes["/admin/rebuild"] = self.admin_rebuild

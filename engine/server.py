@@ -4,6 +4,11 @@
     GET  /health          200 {"status": "ok"} once the engine serves
     GET  /metrics         Prometheus text: tokens, requests, step latency, queue depth
     POST /admin/snapshot  {"name": optional, "with_kv": false, "portable": false}; needs --store
+    POST /admin/rebuild   {"generation", "leave": [ranks]} (engine/pod.py)
+
+The admin routes answer only loopback callers, or, when an admin token is
+configured, callers that send ``Authorization: Bearer TOKEN``: they can
+pause the engine and write process memory to storage.
 
 HTTP handler threads validate a request and put it on the inbox; the step
 loop (the main thread) admits inbox requests at step boundaries and runs
@@ -14,6 +19,8 @@ never dropped.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import queue
 import threading
@@ -93,7 +100,8 @@ class Metrics:
 
 
 class EngineServer:
-    def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, model_name: str = "podsnap"):
+    def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, model_name: str = "podsnap",
+                 admin_token: str | None = None):
         self.engine = engine
         self.model_name = model_name
         self.inbox: queue.Queue[Completion] = queue.Queue()
@@ -103,6 +111,7 @@ class EngineServer:
         self.stopping = threading.Event()
         self.last_heartbeat = time.monotonic()
         self.admin_routes: dict = {}  # path -> fn(body) -> (status, payload), added by the pod
+        self.admin_token = admin_token
         # called with the error when a step fails because the group broke (a rank died); it rebuilds
         self.on_group_failure = None
         self.on_stop = engine.stop_followers  # what rank 0 tells the followers when it stops
@@ -269,11 +278,24 @@ class EngineServer:
                 if self.path == "/v1/completions":
                     self.send(*server.submit(body))
                 elif self.path in server.admin_routes:
-                    self.send(*server.admin_routes[self.path](body))
+                    denied = admin_denied(server.admin_token, self.client_address[0], self.headers.get("Authorization"))
+                    self.send(*(denied or server.admin_routes[self.path](body)))
                 else:
                     self.send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route POST {self.path}"}})
 
         return Handler
+
+
+def admin_denied(token: str | None, peer: str, authorization: str | None) -> tuple[int, dict] | None:
+    """None if the caller may use the admin API, else the (status, error) to answer."""
+    if token:
+        if authorization and hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            return None
+        return HTTPStatus.UNAUTHORIZED, {"error": {"message": "admin API: send Authorization: Bearer <token>"}}
+    if ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback:
+        return None
+    return HTTPStatus.FORBIDDEN, {"error": {"message": f"admin API is served to loopback callers only (not {peer}); "
+                                                       "start the server with an admin token to allow others"}}
 
 
 def admin_snapshot(server: EngineServer, store: str, body: bytes) -> tuple[int, dict]:

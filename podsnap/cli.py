@@ -7,6 +7,7 @@ printed as one ``error: ...`` line (no traceback) with exit status 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from functools import partial
@@ -228,7 +229,9 @@ def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compil
     Pod per rank: podsnap serve --model DIR --rank R --world N --master HOST:PORT
     Warm start:   podsnap serve --restore S:SNAPSHOT --tp 2
     API: POST /v1/completions {"prompt": [ids], "max_tokens": N, "temperature": 0},
-         GET /health, GET /metrics (Prometheus), POST /admin/snapshot (with --store).
+         GET /health, GET /metrics (Prometheus), POST /admin/snapshot (with --store),
+         POST /admin/rebuild. The admin routes answer loopback callers only, unless
+         PODSNAP_ADMIN_TOKEN is set: then callers must send "Authorization: Bearer TOKEN".
     """
     from podsnap.engine.config import ModelConfig
     from podsnap.engine.launch import launch_local_pods
@@ -259,7 +262,8 @@ def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compil
         procs = launch_local_pods(tp, args)
         sys.exit(max((p.returncode or 0) for p in procs))
     cfg = PodConfig(rank, world, master, metadata_path_ok(metadata), host, port, connect_timeout,
-                    str(store) if store else None, deferred_join=restore is not None)
+                    str(store) if store else None, deferred_join=restore is not None,
+                    admin_token=os.environ.get("PODSNAP_ADMIN_TOKEN") or None)
     serve_rank(cfg, start)
 
 

@@ -22,7 +22,10 @@ from podsnap.errors import PodsnapError
 def request_json(url: str, body: dict | bytes | None = None, timeout: float = 600) -> tuple[int, dict]:
     """GET (no body) or POST JSON; returns (status, decoded reply), also for 4xx/5xx replies."""
     data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if "/admin/" in url and (token := os.environ.get("PODSNAP_ADMIN_TOKEN")):
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())

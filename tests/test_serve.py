@@ -111,3 +111,26 @@ def test_snapshot_of_a_running_server_then_restore(model_factory, tmp_path):
     assert manifest.world_size == 2 and manifest.with_kv
     restored = generate(partial(warm_start, str(store), "live"), PROMPTS[:8], 12, tp=2)
     assert restored.tokens == [b["choices"][0]["token_ids"] for _, b in replies]
+
+
+def test_admin_api_is_loopback_only_or_needs_the_token():
+    from podsnap.engine.server import admin_denied
+
+    assert admin_denied(None, "127.0.0.1", None) is None
+    assert admin_denied(None, "::ffff:127.0.0.1", None) is None
+    status, body = admin_denied(None, "10.242.0.5", None)
+    assert status == 403 and "loopback callers only (not 10.242.0.5)" in body["error"]["message"]
+    assert admin_denied("s3cret", "10.242.0.5", "Bearer s3cret") is None
+    assert admin_denied("s3cret", "127.0.0.1", None)[0] == 401  # with a token, loopback needs it too
+    assert admin_denied("s3cret", "10.242.0.5", "Bearer wrong")[0] == 401
+
+
+def test_admin_token_over_http(model_factory, monkeypatch, tmp_path):
+    """A server started with PODSNAP_ADMIN_TOKEN refuses admin calls without it; the client sends it."""
+    monkeypatch.setenv("PODSNAP_ADMIN_TOKEN", "s3cret")
+    with ServerProcess(["--model", str(model_factory("llama")), "--tp", "1", "--store", str(tmp_path)]) as srv:
+        monkeypatch.delenv("PODSNAP_ADMIN_TOKEN")
+        assert post(f"{srv.url}/admin/snapshot", {"name": "x"})[0] == 401
+        monkeypatch.setenv("PODSNAP_ADMIN_TOKEN", "s3cret")
+        status, body = post(f"{srv.url}/admin/snapshot", {"name": "x"})
+        assert status == 200 and body["snapshot"] == "x"
