@@ -6,6 +6,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# System tools the tests and the pod-per-rank runtime use: ip (network
+# namespaces), nsenter (running a process in a pod's namespace), pgrep.
+need=()
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v nsenter >/dev/null 2>&1 || need+=(util-linux)
+command -v pgrep >/dev/null 2>&1 || need+=(procps)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "==> installing ${need[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+  else
+    echo "warning: missing system packages: ${need[*]} (install them as root)" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.podsnap-setup
