@@ -98,7 +98,7 @@ def make_tiny_cmd(arch, out, preset, seed, shards, as_json):
 
     total = len(hf_tensor_shapes(preset_config(arch, preset)))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=as_json or total < 200) as bar:
+                  console=console, disable=as_json or preset == "tiny") as bar:
         task = bar.add_task(f"making {arch}/{preset}", total=total)
         cfg = make_tiny(arch, out, preset, seed, shards, progress=lambda _: bar.advance(task))
     files = sorted(p.name for p in out.iterdir())
@@ -217,11 +217,13 @@ def generate(model_dir, restore, quant, dtype, verify, load_mode, force, use_com
               help="Seconds a rank waits for the whole group to form before failing.")
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Snapshot store for POST /admin/snapshot (each rank writes its own tensors there).")
+@click.option("--backend", type=click.Choice(["gloo", "nccl", "hccl"]), default="gloo", show_default=True,
+              help="torch.distributed backend of the TP group (gloo on CPU; nccl/hccl on GPUs/NPUs, untested here).")
 @click.option("--restore-metadata", "metadata", type=click.Path(dir_okay=False), default=None,
               help="Pod-per-rank form: JSON written by the controller on restore (generation, master_addr, "
                    "port_base, rank_map); read at start and polled when the master moves.")
 def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile, tp, rank, world, master, host,
-          port, connect_timeout, store, metadata):
+          port, connect_timeout, store, backend, metadata):
     """Serve over HTTP with tensor parallelism (cold start, or warm with --restore).
 
     \b
@@ -257,13 +259,13 @@ def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compil
                 *(["--quant", quant] if quant else []), *(["--dtype", dtype] if dtype else []),
                 "--verify", verify, "--load-mode", load_mode, *(["--force"] if force else []),
                 *(["--compile"] if use_compile else []),
-                *(["--store", str(store)] if store else []),
+                *(["--store", str(store)] if store else []), "--backend", backend,
                 "--host", host, "--port", str(port), "--connect-timeout", str(connect_timeout)]
         procs = launch_local_pods(tp, args)
         sys.exit(max((p.returncode or 0) for p in procs))
     cfg = PodConfig(rank, world, master, metadata_path_ok(metadata), host, port, connect_timeout,
                     str(store) if store else None, deferred_join=restore is not None,
-                    admin_token=os.environ.get("PODSNAP_ADMIN_TOKEN") or None)
+                    admin_token=os.environ.get("PODSNAP_ADMIN_TOKEN") or None, backend=backend)
     serve_rank(cfg, start)
 
 
