@@ -53,10 +53,6 @@ class GroupRegistry:
     def get(self, role: str) -> Group | None:
         return self.groups.get(role)
 
-    def size(self, role: str) -> int:
-        group = self.groups.get(role)
-        return group.size if group else 1
-
     def clear(self) -> None:
         """Forget every group (after the backend has been torn down)."""
         self.groups.clear()

@@ -90,11 +90,11 @@ def run_on_ranks(target, world: int, *args, backend: str = "gloo", timeout_s: fl
         stop_processes(procs)
 
 
-def launch_local_pods(world: int, rank_args: list[str], wait: bool = True) -> list:
-    """Start ``world`` `podsnap serve --rank R` processes (one per pod) on this machine.
+def launch_local_pods(world: int, rank_args: list[str]) -> list:
+    """Run ``world`` `podsnap serve --rank R` processes (one per pod) on this machine.
 
-    Returns the processes; with ``wait`` it blocks until one exits, then stops
-    the others (a group cannot serve without all its ranks yet).
+    Blocks until one exits or SIGTERM arrives, then stops the others by pid
+    (a local group is started and stopped as a whole); returns the processes.
     """
     import signal
     import subprocess
@@ -107,21 +107,18 @@ def launch_local_pods(world: int, rank_args: list[str], wait: bool = True) -> li
             cmd = [sys.executable, "-m", "podsnap.cli", "serve", "--rank", str(rank), "--world", str(world),
                    "--master", master, *rank_args]
             procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(world))}))
-        if not wait:
-            return procs
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
         while not stop and all(p.poll() is None for p in procs):
             time.sleep(0.2)
         return procs
     finally:
-        if wait:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

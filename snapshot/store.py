@@ -172,9 +172,6 @@ class Store:
         os.rename(tmp, path)  # atomic; a concurrent writer of the same content is harmless
         return digest, True
 
-    def blob_size(self, digest: str) -> int:
-        return self.blob_path(digest).stat().st_size
-
     def verify_blob(self, digest: str, length: int) -> str | None:
         """None if the blob holds exactly ``length`` bytes hashing to ``digest``; else what is wrong."""
         path = self.blob_path(digest)
