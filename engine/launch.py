@@ -12,7 +12,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -47,17 +50,31 @@ def _rank_main(target, rank: int, world: int, master: str, backend: str, results
         destroy_world()
 
 
+def _alive(p) -> bool:
+    return p.poll() is None if isinstance(p, subprocess.Popen) else p.is_alive()
+
+
+def _reap(p, timeout_s: float | None) -> None:
+    if isinstance(p, subprocess.Popen):
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    else:
+        p.join(timeout_s)
+
+
 def stop_processes(procs, grace_s: float = 5.0) -> None:
-    """Terminate, then kill, every process that is still alive (by pid)."""
+    """Terminate, then kill, every process still alive (multiprocessing or subprocess), and reap it."""
     for p in procs:
-        if p.is_alive():
+        if _alive(p):
             p.terminate()
     deadline = time.monotonic() + grace_s
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
+        _reap(p, max(0.0, deadline - time.monotonic()))
+        if _alive(p):
             p.kill()
-            p.join()
+            _reap(p, None)
 
 
 def run_on_ranks(target, world: int, *args, backend: str = "gloo", timeout_s: float = 600.0):
@@ -96,10 +113,6 @@ def launch_local_pods(world: int, rank_args: list[str]) -> list:
     Blocks until one exits or SIGTERM arrives, then stops the others by pid
     (a local group is started and stopped as a whole); returns the processes.
     """
-    import signal
-    import subprocess
-    import sys
-
     master = f"127.0.0.1:{free_port()}"
     procs = []
     try:
@@ -113,12 +126,4 @@ def launch_local_pods(world: int, rank_args: list[str]) -> list:
             time.sleep(0.2)
         return procs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, grace_s=10)

@@ -33,7 +33,7 @@ from podsnap.errors import PodsnapError
 
 from .generate import warm_up
 from .llm_engine import LLMEngine
-from .server import BadRequest, EngineServer, admin_snapshot
+from .server import BadRequest, EngineServer, admin_snapshot, bad_request, parse_json_object
 
 
 class RebuildRequested(Exception):
@@ -165,12 +165,8 @@ class Pod:
 
     def admin_rebuild(self, body: bytes) -> tuple[int, dict]:
         """POST /admin/rebuild {"generation"?, "port_base"?, "leave"?: [ranks replaced by new pods]}."""
-        import json
-
         try:
-            req = json.loads(body or b"{}")
-            if not isinstance(req, dict) or set(req) - {"generation", "port_base", "leave", "timeout_s"}:
-                raise BadRequest("body must be an object with generation, port_base, leave, timeout_s")
+            req = parse_json_object(body, {"generation", "port_base", "leave", "timeout_s"})
             generation = req.get("generation", groups.registry.generation + 1)
             if type(generation) is not int or generation <= groups.registry.generation:
                 raise BadRequest(f"generation {generation!r} must be an integer above the current "
@@ -178,8 +174,8 @@ class Pod:
             leave = req.get("leave", [])
             if not isinstance(leave, list) or not all(type(r) is int and 0 < r < self.cfg.world for r in leave):
                 raise BadRequest(f"'leave' must list follower ranks in 1..{self.cfg.world - 1}")
-        except (ValueError, BadRequest) as e:
-            return 400, {"error": {"message": str(e)}}
+        except BadRequest as e:
+            return bad_request(e)
         msg = {"op": "rebuild", "generation": generation, "port_base": req.get("port_base", self.master[1]),
                "leave": leave, "timeout_s": req.get("timeout_s", 600)}
         return self.server.submit_admin(msg)

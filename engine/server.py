@@ -63,14 +63,27 @@ class Completion:
     error: str | None = None
 
 
-def parse_completion(body: bytes) -> Completion:
-    """Validate a /v1/completions body; BadRequest says what is wrong."""
+def parse_json_object(body: bytes, allowed: set[str] | None = None) -> dict:
+    """A request body as a JSON object (empty body: {}); BadRequest names what is wrong."""
     try:
-        req = json.loads(body or b"")
+        req = json.loads(body or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"body is not valid JSON: {e}") from None
     if not isinstance(req, dict):
         raise BadRequest("body must be a JSON object")
+    unknown = set(req) - allowed if allowed is not None else set()
+    if unknown:
+        raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    return req
+
+
+def bad_request(e: Exception) -> tuple[int, dict]:
+    return HTTPStatus.BAD_REQUEST, {"error": {"message": str(e), "type": "invalid_request_error"}}
+
+
+def parse_completion(body: bytes) -> Completion:
+    """Validate a /v1/completions body; BadRequest says what is wrong."""
+    req = parse_json_object(body)
     prompt = req.get("prompt")
     if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
         raise BadRequest("'prompt' must be a non-empty list of token ids (integers); this server has no tokenizer")
@@ -226,7 +239,7 @@ class EngineServer:
             self.engine.validate_request(c.prompt, c.max_tokens)
         except (BadRequest, PodsnapError) as e:
             self.metrics.requests.labels("bad_request").inc()
-            return HTTPStatus.BAD_REQUEST, {"error": {"message": str(e), "type": "invalid_request_error"}}
+            return bad_request(e)
         self.inbox.put(c)
         self.metrics.queued.set(self.inbox.qsize())
         c.done.wait()
@@ -303,20 +316,13 @@ def admin_snapshot(server: EngineServer, store: str, body: bytes) -> tuple[int, 
     from podsnap.snapshot.store import Store, StoreError, check_snapshot_id, new_snapshot_id
 
     try:
-        req = json.loads(body or b"{}")
-        if not isinstance(req, dict):
-            raise BadRequest("body must be a JSON object")
-        unknown = set(req) - {"name", "with_kv", "portable"}
-        if unknown:
-            raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: name, with_kv, portable")
+        req = parse_json_object(body, {"name", "with_kv", "portable"})
         name = check_snapshot_id(req["name"]) if req.get("name") is not None else new_snapshot_id()
         flags = {k: req.get(k, False) for k in ("with_kv", "portable")}
         if not all(isinstance(v, bool) for v in flags.values()):
             raise BadRequest("'with_kv' and 'portable' must be true or false")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return HTTPStatus.BAD_REQUEST, {"error": {"message": f"body is not valid JSON: {e}"}}
     except (BadRequest, StoreError) as e:
-        return HTTPStatus.BAD_REQUEST, {"error": {"message": str(e)}}
+        return bad_request(e)
     if Store(store).manifest_path(name).exists():
         return HTTPStatus.CONFLICT, {"error": {"message": f"snapshot {name!r} already exists in {store}"}}
     return server.submit_admin({"op": "snapshot", "name": name, **flags})

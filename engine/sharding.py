@@ -130,8 +130,9 @@ class ShardPlan:
     world_size: int
     layouts: list[RankLayout]
     expert_placement: dict[int, list[int]]
-    # logical tensor -> per rank, the interval it holds (None: it holds none of it)
-    intervals: dict[str, list[Interval | None]]
+    cfg: ModelConfig | None = field(default=None, repr=False, compare=False)
+    # logical tensor -> per rank, the interval it holds (None: it holds none of it); see ``intervals``
+    _intervals: dict[str, list[Interval | None]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, cfg: ModelConfig, world: int) -> ShardPlan:
@@ -142,25 +143,34 @@ class ShardPlan:
             computes = [e for e, ranks in placement.items() if ranks[0] == rank]
             holds = [e for e, ranks in placement.items() if rank in ranks]
             layouts.append(RankLayout(rank, world, q, kv, mlp, computes, holds))
-        intervals: dict[str, list[Interval | None]] = {}
-        for rank, layout in enumerate(layouts):
-            for logical, interval in model_intervals(cfg, layout).items():
-                intervals.setdefault(logical, [None] * world)[rank] = interval
-        return cls(world, layouts, placement, intervals)
+        return cls(world, layouts, placement, cfg)
 
-    def to_dict(self) -> dict:
-        return {"world_size": self.world_size,
-                "layouts": [lay.to_dict() for lay in self.layouts],
-                "expert_placement": {str(e): r for e, r in self.expert_placement.items()},
-                "intervals": {name: [i.to_dict() if i else None for i in per_rank]
-                              for name, per_rank in self.intervals.items()}}
+    @property
+    def intervals(self) -> dict[str, list[Interval | None]]:
+        """Computed on first use (one meta-device model per rank): a starting rank needs only its layout."""
+        if self._intervals is None:
+            intervals: dict[str, list[Interval | None]] = {}
+            for rank, layout in enumerate(self.layouts):
+                for logical, interval in model_intervals(self.cfg, layout).items():
+                    intervals.setdefault(logical, [None] * self.world_size)[rank] = interval
+            self._intervals = intervals
+        return self._intervals
+
+    def to_dict(self, with_intervals: bool = True) -> dict:
+        d = {"world_size": self.world_size,
+             "layouts": [lay.to_dict() for lay in self.layouts],
+             "expert_placement": {str(e): r for e, r in self.expert_placement.items()}}
+        if with_intervals:
+            d["intervals"] = {name: [i.to_dict() if i else None for i in per_rank]
+                              for name, per_rank in self.intervals.items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ShardPlan:
+        intervals = {name: [Interval.from_dict(i) if i else None for i in per_rank]
+                     for name, per_rank in d["intervals"].items()} if "intervals" in d else None
         return cls(d["world_size"], [RankLayout.from_dict(x) for x in d["layouts"]],
-                   {int(e): r for e, r in d["expert_placement"].items()},
-                   {name: [Interval.from_dict(i) if i else None for i in per_rank]
-                    for name, per_rank in d["intervals"].items()})
+                   {int(e): r for e, r in d["expert_placement"].items()}, _intervals=intervals)
 
 
 def model_intervals(cfg: ModelConfig, layout: RankLayout) -> dict[str, Interval]:

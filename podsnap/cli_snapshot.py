@@ -26,19 +26,6 @@ def snapshot():
     """Snapshots of post-processed engine state in a store."""
 
 
-def _create_on_rank(rank, world, start, store, name, with_kv, portable):
-    from podsnap.engine.generate import warm_up
-    from podsnap.snapshot.capture import snapshot_engine
-
-    engine = start(rank, world)
-    warm_up(engine)
-    done = snapshot_engine(engine, store, name, with_kv, portable)
-    if done is None:
-        return None
-    manifest, stats = done
-    return {"snapshot": manifest.snapshot_id, "cold_start": engine.timings.to_dict(), **stats.to_dict()}
-
-
 @snapshot.command("create")
 @STORE
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
@@ -69,20 +56,15 @@ def create(store, model_dir, tp, server, name, quant, dtype, with_kv, portable, 
         from podsnap.engine.generate import cold
         from podsnap.engine.launch import run_on_ranks
         from podsnap.engine.sharding import check_world_size
-        from podsnap.snapshot.capture import snapshot_engine
+        from podsnap.snapshot.capture import snapshot_on_rank
 
         check_world_size(ModelConfig.load(model_dir), tp)
         start = cold(model_dir, cli.engine_options(quant, dtype, use_compile))
         if tp == 1:
-            engine = start(0, 1)
-            if use_compile:
-                engine.warmup()
-            total = engine.state(with_kv).nbytes
-            with cli.byte_progress("writing snapshot", total, enabled=not as_json) as advance:
-                manifest, stats = snapshot_engine(engine, store, name, with_kv, portable, progress=advance)
-            result = {"snapshot": manifest.snapshot_id, "cold_start": engine.timings.to_dict(), **stats.to_dict()}
+            with cli.byte_progress("cold start + snapshot", None, enabled=not as_json) as advance:
+                result = snapshot_on_rank(0, 1, start, str(store), name, with_kv, portable, progress=advance)
         else:
-            result = run_on_ranks(_create_on_rank, tp, start, str(store), name, with_kv, portable)
+            result = run_on_ranks(snapshot_on_rank, tp, start, str(store), name, with_kv, portable)
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -61,7 +61,7 @@ def requested_fingerprint(manifest: Manifest, store: Store, world: int, model_di
     cfg = ModelConfig.load(model_dir) if model_dir else ModelConfig(**manifest.model_config)
     weights = cached_weights_hash(model_dir, store) if model_dir else manifest.fingerprint.weights
     opts = (options or EngineOptions(**manifest.options)).to_dict()
-    plan = ShardPlan.build(cfg, world).to_dict()
+    plan = ShardPlan.build(cfg, world).to_dict(with_intervals=False)
     layout = get_platform(opts["platform"]).layout_tag
     return make_fingerprint(cfg, weights, opts, plan, layout)
 

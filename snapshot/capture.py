@@ -146,14 +146,34 @@ def build_manifest(engine: LLMEngine, store: Store, snapshot_id: str, records: l
                     with_kv, extras)
 
 
+def summary(done: tuple[Manifest, CaptureStats] | None) -> dict | None:
+    """What rank 0 reports about a committed snapshot (None on the other ranks)."""
+    if done is None:
+        return None
+    manifest, stats = done
+    return {"snapshot": manifest.snapshot_id, **stats.to_dict()}
+
+
+def snapshot_on_rank(rank: int, world: int, start, store_root: str, name: str | None, with_kv: bool = False,
+                     portable: bool = False, progress: Callable[[int], None] | None = None) -> dict | None:
+    """Start the engine of ``rank`` (``start(rank, world)``), warm it up if it compiles, snapshot it.
+
+    Collective over the ranks; rank 0 returns the summary with the start's timings.
+    """
+    from podsnap.engine.generate import warm_up
+
+    engine = start(rank, world)
+    warm_up(engine)
+    done = summary(snapshot_engine(engine, store_root, name, with_kv, portable, progress))
+    return None if done is None else {**done, "cold_start": engine.timings.to_dict()}
+
+
 def snapshot_handler(store_root: str | Path):
     """The "snapshot" control op of a serving engine; every rank writes to its own ``store_root``."""
 
     def handle(engine: LLMEngine, msg: dict) -> dict | None:
-        done = snapshot_engine(engine, store_root, msg["name"], msg.get("with_kv", False), msg.get("portable", False))
-        if done is None:
-            return None
-        manifest, stats = done
-        return {"snapshot": manifest.snapshot_id, "store": str(store_root), **stats.to_dict()}
+        done = summary(snapshot_engine(engine, store_root, msg["name"], msg.get("with_kv", False),
+                                       msg.get("portable", False)))
+        return None if done is None else {**done, "store": str(store_root)}
 
     return handle

@@ -64,7 +64,10 @@ def cached_weights_hash(model_dir: str | Path, store: Store | None = None) -> st
 
 
 def plan_digest(plan: dict) -> str:
-    return f"tp={plan['world_size']}/" + hash_bytes(json.dumps(plan, sort_keys=True).encode())[:16]
+    """World size and hash of the layouts. Intervals are left out: they follow from the layouts,
+    the model config and the code version, which the fingerprint covers already."""
+    layouts = {k: plan[k] for k in ("world_size", "layouts", "expert_placement")}
+    return f"tp={plan['world_size']}/" + hash_bytes(json.dumps(layouts, sort_keys=True).encode())[:16]
 
 
 def make_fingerprint(cfg: ModelConfig, weights: str, options: dict, plan: dict, layout: str) -> Fingerprint:

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from procs import kill_tree
-from tests_helpers import create_on_ranks
 
 from podsnap.client import request_json
 from podsnap.comm_rebuild import discovery, groups, rendezvous
@@ -24,6 +23,7 @@ from podsnap.comm_rebuild.discovery import RestoreMetadata
 from podsnap.engine.generate import cold, generate
 from podsnap.engine.launch import free_port, run_on_ranks
 from podsnap.errors import PodsnapError
+from podsnap.snapshot.capture import snapshot_on_rank
 
 # --- address discovery ---------------------------------------------------------------
 
@@ -128,7 +128,7 @@ def snapshot(model_factory, tmp_path_factory):
     """A TP=2 snapshot of the tiny llama (every rank warm-restores from it) and the reference tokens."""
     store = tmp_path_factory.mktemp("store")
     model = model_factory("llama")
-    run_on_ranks(create_on_ranks, 2, cold(model), str(store), "s")
+    run_on_ranks(snapshot_on_rank, 2, cold(model), str(store), "s")
     return store, generate(model, PROMPTS, MAX_TOKENS).tokens
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # a test dependency (.[test]); `make test` installs it, so it is never skipped
 
 from podsnap.engine.llm_engine import EngineOptions, LLMEngine
-
-transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install .[test])")
 
 ARCHS = ["llama", "qwen3", "qwen3-moe"]
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]

@@ -9,13 +9,12 @@ from functools import partial
 
 import pytest
 import torch
-from tests_helpers import create_on_ranks
 
 from podsnap.engine.generate import cold, generate
 from podsnap.engine.launch import run_on_ranks
 from podsnap.engine.llm_engine import EngineOptions, LLMEngine
 from podsnap.restore.warm import FingerprintMismatch, warm_start
-from podsnap.snapshot.capture import snapshot_engine
+from podsnap.snapshot.capture import snapshot_engine, snapshot_on_rank
 from podsnap.snapshot.store import Store
 
 PROMPTS = [[1, 2, 3, 4], [77, 5], [9] * 11]
@@ -48,7 +47,7 @@ def test_restore_tp1_gives_identical_tokens_without_postprocessing(tmp_path, mod
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
 def test_restore_tp2_gives_identical_tokens(tmp_path, model_factory, arch):
     options = EngineOptions(quant="w8a8")
-    run_on_ranks(create_on_ranks, 2, cold(model_factory(arch), options), str(tmp_path), "tp2")
+    run_on_ranks(snapshot_on_rank, 2, cold(model_factory(arch), options), str(tmp_path), "tp2")
     expected = generate(model_factory(arch), PROMPTS, 8, options, tp=2)
     restored = generate(partial(warm_start, str(tmp_path), "tp2"), PROMPTS, 8, tp=2)
     assert restored.tokens == expected.tokens

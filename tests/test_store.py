@@ -18,7 +18,7 @@ from procs import kill_tree
 from podsnap.engine.llm_engine import EngineOptions, LLMEngine
 from podsnap.restore.loader import IntegrityError
 from podsnap.restore.warm import warm_start
-from podsnap.snapshot.capture import snapshot_engine
+from podsnap.snapshot.capture import snapshot_engine, snapshot_on_rank
 from podsnap.snapshot.manifest import ManifestError
 from podsnap.snapshot.store import Store, StoreError
 
@@ -50,12 +50,11 @@ def test_second_snapshot_of_unchanged_state_writes_nothing(tmp_path, engine):
 
 
 def test_identical_tensors_across_ranks_are_stored_once(tmp_path, model_factory):
-    from tests_helpers import create_on_ranks
 
     from podsnap.engine.generate import cold
     from podsnap.engine.launch import run_on_ranks
 
-    run_on_ranks(create_on_ranks, 2, cold(model_factory("llama")), str(tmp_path), "tp2")
+    run_on_ranks(snapshot_on_rank, 2, cold(model_factory("llama")), str(tmp_path), "tp2")
     m = Store(tmp_path).load("tp2")
     rank0, rank1 = ({t.name: t.blob for t in r.tensors} for r in m.ranks)
     assert rank0["model.embed_tokens.weight"] == rank1["model.embed_tokens.weight"]  # replicated

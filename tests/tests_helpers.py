@@ -3,13 +3,6 @@
 from __future__ import annotations
 
 
-def create_on_ranks(rank, world, start, store, name, with_kv=False):
-    from podsnap.snapshot.capture import snapshot_engine
-
-    done = snapshot_engine(start(rank, world), store, name, with_kv)
-    return None if done is None else done[0].snapshot_id
-
-
 def join_and_sum(rank, world, base, generation):
     """Leave the launcher's group, form ``generation`` at ``base``, and all-reduce rank + 1."""
     import torch
