@@ -91,9 +91,7 @@ class LLMEngine:
                  platform: CpuPlatform, compile_cache: Path | None = None):
         self.cfg, self.model, self.options, self.timings = cfg, model, options, timings
         self.platform = platform
-        self.kv_cache = KVCache(cfg.num_hidden_layers, options.kv_cache_tokens // options.block_size,
-                                options.block_size, len(model.layout.kv_heads), cfg.head_dim,
-                                options.torch_dtype)
+        self.kv_cache = self.new_kv_cache()
         self.blocks = BlockManager(self.kv_cache.num_blocks, options.block_size)
         self.scheduler = Scheduler(self.blocks, options.max_batch_tokens)
         self.model_dir: Path | None = None  # the checkpoint a cold start read (None after a restore)
@@ -105,6 +103,11 @@ class LLMEngine:
         self.compile_cache_dir: Path | None = None
         if options.compile:
             self.enable_compile(compile_cache)
+
+    def new_kv_cache(self) -> KVCache:
+        cfg, options = self.cfg, self.options
+        return KVCache(cfg.num_hidden_layers, options.kv_cache_tokens // options.block_size, options.block_size,
+                       len(self.model.layout.kv_heads), cfg.head_dim, options.torch_dtype)
 
     def enable_compile(self, cache_dir: Path | None = None) -> None:
         """Compile the dense FFN blocks, caching under ``cache_dir`` (default: a fresh private dir)."""
@@ -257,3 +260,16 @@ class LLMEngine:
             tensors += [StateTensor(f"kv_cache.{n}", TensorMeta(Role.KV, "paged"), getattr(self.kv_cache, n))
                         for n in ("k", "v")]
         return EngineState(self.rank, self.world_size, tensors)
+
+    def drop_state(self) -> int:
+        """Free the weights, derived tables and KV cache (a process checkpoint then leaves them out of
+        its image; they are in the store). Running sequences must have been preempted. Returns the bytes
+        freed."""
+        freed = self.model.drop_state() + self.kv_cache.k.nbytes + self.kv_cache.v.nbytes
+        self.kv_cache = None
+        return freed
+
+    def refill_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of ``drop_state``: the tensors of this rank (from the store) and an empty KV cache."""
+        self.model.load_state(tensors)
+        self.kv_cache = self.new_kv_cache()

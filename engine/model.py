@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from podsnap.errors import PodsnapError
 from podsnap.state import Role, TensorMeta
 
 from . import tp
@@ -206,3 +207,39 @@ class CausalLM(nn.Module):
         for name in ("rope_cos", "rope_sin", "attn_mask"):
             metas[name] = TensorMeta(Role.DERIVED)
         return metas
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put each restored tensor where the module tree expects it (parameters and buffers);
+        every meta tensor must be filled."""
+        for name, t in tensors.items():
+            prefix, _, attr = name.rpartition(".")
+            try:
+                module = self.get_submodule(prefix) if prefix else self
+            except AttributeError:
+                raise PodsnapError(f"snapshot tensor {name!r} has no place in this model") from None
+            if attr in module._parameters:
+                module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            elif attr in module._buffers:
+                module._buffers[attr] = t
+            else:
+                raise PodsnapError(f"snapshot tensor {name!r} has no place in this model")
+        for linear in self.linears():  # W8A8 linears keep no float weight
+            if linear.qweight is not None and linear.weight is not None and linear.weight.is_meta:
+                linear.weight = None
+        missing = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if missing:
+            raise PodsnapError(f"the snapshot lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}")
+
+    def drop_state(self) -> int:
+        """Replace every tensor by a meta tensor of the same shape and dtype (``load_state`` refills
+        them); returns the bytes freed."""
+        freed = 0
+        for module in self.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None or t.is_meta:
+                        continue
+                    freed += t.nbytes
+                    meta = torch.empty_like(t, device="meta")
+                    table[name] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+        return freed

@@ -24,7 +24,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from podsnap.comm_rebuild import groups
@@ -61,6 +61,7 @@ class PodConfig:
     deferred_join: bool = False  # restore alone first, join afterwards
     admin_token: str | None = None  # required from non-loopback callers of /admin/*
     backend: str = "gloo"
+    process_hooks: bool = True  # with a store: listen for the CRIU plugin (process checkpoints)
 
 
 class Pod:
@@ -71,6 +72,7 @@ class Pod:
         self.engine: LLMEngine | None = None
         self.server: EngineServer | None = None
         self.last_join: dict = {}
+        self.checkpoint_hooks = None  # criu_plugin.suspend.ProcessCheckpointHooks, with a store
 
     # --- start-up ---------------------------------------------------------------
 
@@ -91,12 +93,28 @@ class Pod:
                 from podsnap.snapshot.capture import snapshot_handler
 
                 self.engine.control_handlers["snapshot"] = snapshot_handler(cfg.store)
+                if cfg.process_hooks:
+                    self.listen_for_criu()
             if cfg.rank == 0:
                 self.lead()
             else:
                 self.follow()
         finally:
+            if self.checkpoint_hooks:
+                self.checkpoint_hooks.close()
             groups.teardown()
+
+    def listen_for_criu(self) -> None:
+        """Serve the CRIU plugin's device hooks (pause/resume around a process checkpoint)."""
+        from podsnap.criu_plugin.suspend import ProcessCheckpointHooks
+
+        try:
+            self.checkpoint_hooks = ProcessCheckpointHooks(self, self.cfg.store)
+        except OSError as e:
+            log(f"warning: process checkpoints are off: cannot listen for the CRIU plugin ({e}); "
+                "set PODSNAP_HOOK_DIR to a directory this user may write")
+            return
+        log(f"rank {self.cfg.rank}: CRIU device hooks on {self.checkpoint_hooks.hooks.path}")
 
     def join(self, master_addr: str, port_base: int, generation: int, between=None,
              timeout_s: float | None = None) -> dict:
@@ -116,13 +134,13 @@ class Pod:
         server.admin_routes["/admin/rebuild"] = self.admin_rebuild
         if cfg.store:
             server.admin_routes["/admin/snapshot"] = lambda body: admin_snapshot(server, cfg.store, body)
-        self._publish_generation()
+        self.publish_generation()
         signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
         print(f"podsnap: serving on http://{cfg.host}:{server.port} (tp={cfg.world})", flush=True)
         server.serve_forever()
 
-    def _publish_generation(self) -> None:
+    def publish_generation(self) -> None:
         rdzv = groups.registry.rendezvous
         self.server.generation_info = {
             "generation": groups.registry.generation,
@@ -130,6 +148,11 @@ class Pod:
             "active": rdzv.ready if rdzv else [True],
             "last_join": self.last_join,
         }
+        if self.checkpoint_hooks:
+            hooks = self.checkpoint_hooks
+            self.server.generation_info["process_checkpoints"] = {
+                "device_hooks": hooks.hooks.events.snapshot(),
+                "suspensions": [asdict(s) for s in hooks.history]}
 
     def rebuild_as_leader(self, cause: str, params: dict, error: Exception | None = None) -> dict:
         """Form generation g+1 (or ``params["generation"]``) with every rank; requests queue meanwhile."""
@@ -148,7 +171,7 @@ class Pod:
         self.last_join.update(teardown=round(teardown_s, 6), total=round(total, 6), cause=cause)
         server.metrics.rebuilds.labels(cause).inc()
         server.metrics.rebuild_seconds.observe(total)
-        self._publish_generation()
+        self.publish_generation()
         log(f"generation {generation} formed in {total:.3f} s ({self.last_join})")
         return dict(self.last_join)
 

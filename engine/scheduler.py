@@ -86,6 +86,13 @@ class Scheduler:
         for seq in reversed(list(self.running)):
             self._preempt(seq)
 
+    def abort_all(self) -> list[Sequence]:
+        """Drop every sequence, running or waiting (their requests are answered with an error)."""
+        self.preempt_all()
+        dropped = list(self.waiting)
+        self.waiting.clear()
+        return dropped
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks; it is recomputed from scratch later."""
         self.running.remove(seq)

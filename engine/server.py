@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import json
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -130,8 +131,13 @@ class EngineServer:
         self.on_stop = engine.stop_followers  # what rank 0 tells the followers when it stops
         self.generation_info: dict = {}
         self.startup = {**engine.timings.to_dict(), "restored": engine.restored_from is not None}
-        self.http = ThreadingHTTPServer((host, port), self._handler_class())
-        self.http.daemon_threads = True
+        self.connections: set = set()  # client sockets, closed when the listener closes
+        self.http = self._listen(host, port)
+
+    def _listen(self, host: str, port: int) -> ThreadingHTTPServer:
+        http = ThreadingHTTPServer((host, port), self._handler_class())
+        http.daemon_threads = True
+        return http
 
     @property
     def port(self) -> int:
@@ -139,9 +145,37 @@ class EngineServer:
 
     # --- the step loop (main thread) -------------------------------------------
 
+    def _start_http(self) -> None:
+        threading.Thread(target=self.http.serve_forever, name="http", daemon=True).start()
+
+    def stop_listening(self, reason: str) -> None:
+        """Close the listener and every client connection, answering the requests in flight with 503
+        (``reason``) so that clients retry: a process checkpoint carries no TCP socket to a new pod."""
+        self.http.shutdown()
+        self.http.server_close()
+        self.engine.scheduler.abort_all()
+        for c in [*self.active.values(), *self._drain()]:
+            c.error = reason
+            c.done.set()
+        self.active.clear()
+        deadline = time.monotonic() + 5
+        while self.connections and time.monotonic() < deadline:  # let the handlers send their 503s
+            time.sleep(0.02)
+        for sock in list(self.connections):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.metrics.running.set(0)
+        self.metrics.queued.set(0)
+
+    def start_listening(self, host: str) -> None:
+        """Listen again (on the same port) after ``stop_listening``."""
+        self.http = self._listen(host, self.port)
+        self._start_http()
+
     def serve_forever(self) -> None:
-        thread = threading.Thread(target=self.http.serve_forever, name="http", daemon=True)
-        thread.start()
+        self._start_http()
         try:
             while not self.stopping.is_set():
                 try:
@@ -184,9 +218,14 @@ class EngineServer:
                     raise  # the group broke: the serve loop rebuilds it
             op.done.set()
 
-    def submit_admin(self, msg: dict) -> tuple[int, dict]:
+    def enqueue_admin(self, msg: dict) -> AdminOp:
+        """Queue a control op for the next step boundary; ``op.done`` is set when it has run."""
         op = AdminOp(msg)
         self.admin.put(op)
+        return op
+
+    def submit_admin(self, msg: dict) -> tuple[int, dict]:
+        op = self.enqueue_admin(msg)
         op.done.wait()
         if op.error:
             return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": op.error, "type": "server_error"}}
@@ -263,6 +302,14 @@ class EngineServer:
 
             def log_message(self, fmt, *args):  # keep stderr for errors
                 pass
+
+            def setup(self):
+                super().setup()
+                server.connections.add(self.connection)
+
+            def finish(self):
+                server.connections.discard(self.connection)
+                super().finish()
 
             def send(self, status: int, payload, content_type: str = "application/json") -> None:
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()

@@ -294,9 +294,13 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     console.print(table)
 
 
+from podsnap.cli_criu import checkpoint, doctor, restore_process  # noqa: E402
 from podsnap.cli_snapshot import snapshot  # noqa: E402  (registers `podsnap snapshot ...`)
 
 main.add_command(snapshot)
+main.add_command(checkpoint)
+main.add_command(restore_process)
+main.add_command(doctor)
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from podsnap.engine.config import ModelConfig
 from podsnap.engine.llm_engine import EngineOptions, LLMEngine, Timings
@@ -75,28 +74,6 @@ def check_fingerprint(manifest: Manifest, requested: Fingerprint, force: bool) -
     print(f"podsnap: warning: --force: {mismatch}", file=sys.stderr)
 
 
-def assign_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Put each restored tensor where the module tree expects it (parameters and buffers)."""
-    for name, t in tensors.items():
-        prefix, _, attr = name.rpartition(".")
-        try:
-            module = model.get_submodule(prefix) if prefix else model
-        except AttributeError:
-            raise PodsnapError(f"snapshot tensor {name!r} has no place in this model") from None
-        if attr in module._parameters:
-            module._parameters[attr] = nn.Parameter(t, requires_grad=False)
-        elif attr in module._buffers:
-            module._buffers[attr] = t
-        else:
-            raise PodsnapError(f"snapshot tensor {name!r} has no place in this model")
-    for linear in model.linears():  # W8A8 linears keep no float weight
-        if linear.qweight is not None and linear.weight is not None and linear.weight.is_meta:
-            linear.weight = None
-    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if missing:
-        raise PodsnapError(f"the snapshot lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}")
-
-
 def restore_compile_cache(store: Store, rank: RankRecord) -> Path | None:
     """Unpack this rank's stored inductor cache into a fresh private directory (hash-checked)."""
     if not rank.compile_cache:
@@ -129,7 +106,7 @@ def warm_start(store_root: str | Path, snapshot_id: str, rank: int = 0, world_si
         model = CausalLM(cfg, layout)
     tensors, stats = load_rank(store, manifest.ranks[rank], verify, load_mode, progress=progress)
     kv = {n: tensors.pop(n) for n in [n for n in tensors if n.startswith("kv_cache.")]}
-    assign_state(model, tensors)
+    model.load_state(tensors)
     derived_later = {r.name for r in manifest.ranks[rank].tensors if r.derive}
     for name, linear in model.named_modules():
         if f"{name}.qweight" in derived_later:

@@ -70,15 +70,22 @@ def plan_digest(plan: dict) -> str:
     return f"tp={plan['world_size']}/" + hash_bytes(json.dumps(layouts, sort_keys=True).encode())[:16]
 
 
-def make_fingerprint(cfg: ModelConfig, weights: str, options: dict, plan: dict, layout: str) -> Fingerprint:
+def fingerprint_of(arch: str, config: dict, weights: str, dtype: str, quant: str, layout: str,
+                   parallel: str) -> Fingerprint:
+    """The one place a fingerprint is assembled (any engine): the config is hashed, code versions added."""
     return Fingerprint(
-        arch=cfg.arch,
-        config=hash_bytes(json.dumps(cfg.to_dict(), sort_keys=True).encode()),
+        arch=arch,
+        config=hash_bytes(json.dumps(config, sort_keys=True, default=str).encode()),
         weights=weights,
-        dtype=options["dtype"],
-        quant=options["quant"],
+        dtype=dtype,
+        quant=quant,
         layout=layout,
-        parallel=plan_digest(plan),
+        parallel=parallel,
         podsnap_version=podsnap.__version__,
         torch_version=torch.__version__,
     )
+
+
+def make_fingerprint(cfg: ModelConfig, weights: str, options: dict, plan: dict, layout: str) -> Fingerprint:
+    return fingerprint_of(cfg.arch, cfg.to_dict(), weights, options["dtype"], options["quant"], layout,
+                          plan_digest(plan))

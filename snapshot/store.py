@@ -87,7 +87,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _mkdir_private(path: Path) -> None:
+def mkdir_private(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
 
@@ -99,7 +99,7 @@ class GcResult:
     tmp_removed: int
 
 
-SUBDIRS = ("blobs", "manifests", "tmp", "fpcache")
+SUBDIRS = ("blobs", "manifests", "tmp", "fpcache", "processes")
 OWN_ENTRIES = {*SUBDIRS, "lock", "init.lock", ".podsnap-store", "lost+found"}
 
 
@@ -113,7 +113,7 @@ class Store:
             self._initialize()
         for sub in SUBDIRS:
             if not (self.root / sub).is_dir():
-                _mkdir_private(self.root / sub)
+                mkdir_private(self.root / sub)
         self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
         self.tmp_dir = self.root / "tmp"
@@ -121,7 +121,7 @@ class Store:
 
     def _initialize(self) -> None:
         """Make ``root`` a store; safe when several ranks open a new store at once."""
-        _mkdir_private(self.root)
+        mkdir_private(self.root)
         fd = os.open(self.root / "init.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -133,10 +133,15 @@ class Store:
                 raise StoreError(f"{self.root} is not empty ({', '.join(foreign[:3])}, ...) and is not a "
                                  "podsnap store; give an empty or new directory")
             for sub in SUBDIRS:
-                _mkdir_private(self.root / sub)
+                mkdir_private(self.root / sub)
             write_atomic(self.root / ".podsnap-store", FORMAT.encode())
         finally:
             os.close(fd)
+
+    def process_dir(self, name: str, pid: int | None = None) -> Path:
+        """Where the CRIU images of process checkpoint ``name`` go (one subdirectory per process)."""
+        path = self.root / "processes" / check_snapshot_id(name)
+        return path if pid is None else path / f"pid-{int(pid)}"
 
     # --- locking --------------------------------------------------------------
 
@@ -166,7 +171,7 @@ class Store:
         path = self.blob_path(digest)
         if path.exists():
             return digest, False
-        _mkdir_private(path.parent)
+        mkdir_private(path.parent)
         tmp = self.tmp_dir / f"{digest}.{os.getpid()}.{os.urandom(4).hex()}"
         write_private(tmp, data)
         os.rename(tmp, path)  # atomic; a concurrent writer of the same content is harmless

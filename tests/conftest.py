@@ -46,3 +46,12 @@ def pod_network():
         net.close()
         leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert net.tag not in leftover, "a test network namespace was not deleted"
+
+
+@pytest.fixture(scope="session")
+def tp2_snapshot(model_factory, tmp_path_factory):
+    """A TP=2 snapshot "s" of the tiny llama (pods warm-restore from it) and the reference tokens."""
+    from pods import make_tp2_snapshot
+
+    store = tmp_path_factory.mktemp("tp2-store")
+    return store, make_tp2_snapshot(model_factory("llama"), store)

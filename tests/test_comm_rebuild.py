@@ -3,27 +3,22 @@ and TP=2 groups rebuilt for new pod IPs in real network namespaces."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
+from pods import MAX_TOKENS, PROMPTS, Rank, Stream, health
 from procs import kill_tree
 
 from podsnap.client import request_json
 from podsnap.comm_rebuild import discovery, groups, rendezvous
 from podsnap.comm_rebuild.discovery import RestoreMetadata
-from podsnap.engine.generate import cold, generate
 from podsnap.engine.launch import free_port, run_on_ranks
 from podsnap.errors import PodsnapError
-from podsnap.snapshot.capture import snapshot_on_rank
 
 # --- address discovery ---------------------------------------------------------------
 
@@ -119,95 +114,8 @@ def test_teardown_with_a_dead_peer_returns_within_its_timeout():
 
 # --- TP=2 across pods --------------------------------------------------------------------
 
-PROMPTS = [[(5 * i + j) % 250 + 1 for j in range(3 + i % 5)] for i in range(12)]
-MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def snapshot(model_factory, tmp_path_factory):
-    """A TP=2 snapshot of the tiny llama (every rank warm-restores from it) and the reference tokens."""
-    store = tmp_path_factory.mktemp("store")
-    model = model_factory("llama")
-    run_on_ranks(snapshot_on_rank, 2, cold(model), str(store), "s")
-    return store, generate(model, PROMPTS, MAX_TOKENS).tokens
-
-
-class Stream:
-    """Clients sending every prompt, retrying (across endpoints) until each is answered."""
-
-    def __init__(self, endpoints: list[str]):
-        self.endpoints = endpoints  # the test may append the new master's URL
-        self.answers: dict[int, list[int]] = {}
-        self.pool = ThreadPoolExecutor(3)
-        self.futures = [self.pool.submit(self._ask, i, p) for i, p in enumerate(PROMPTS)]
-
-    def _ask(self, i, prompt, timeout_s=180):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for url in list(reversed(self.endpoints)):
-                try:
-                    status, body = request_json(f"{url}/v1/completions", {"prompt": prompt,
-                                                                          "max_tokens": MAX_TOKENS}, timeout=60)
-                except (PodsnapError, OSError):
-                    continue
-                if status == 200:
-                    self.answers[i] = body["choices"][0]["token_ids"]
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"request {i} was never answered")
-
-    def wait_answered(self, n: int, timeout_s=60):
-        deadline = time.monotonic() + timeout_s
-        while len(self.answers) < n and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def finish(self) -> list[list[int]]:
-        for f in self.futures:
-            f.result()
-        self.pool.shutdown()
-        return [self.answers[i] for i in range(len(PROMPTS))]
-
-
-class Rank:
-    def __init__(self, pod, rank, store, *args):
-        self.pod = pod
-        self.proc = subprocess.Popen(pod.cmd(sys.executable, "-m", "podsnap.cli", "serve", "--rank", str(rank),
-                                             "--world", "2", "--restore", f"{store}:s", "--host", "0.0.0.0",
-                                             "--port", "8000", "--connect-timeout", "120", *args),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_serving(self, timeout_s=120) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any("serving on" in x for x in self.lines):
-                return f"http://{self.pod.ip}:8000"
-            assert self.proc.poll() is None, "".join(self.lines[-30:])
-            time.sleep(0.1)
-        raise AssertionError("rank 0 did not serve:\n" + "".join(self.lines[-30:]))
-
-    def crash(self):
-        """The pod dies without warning (SIGKILL)."""
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def kill(self):
-        kill_tree(self.proc.pid)
-        self.proc.wait()
-
-
-def health(url) -> dict:
-    return request_json(f"{url}/health", timeout=10)[1]
-
-
-def test_follower_moves_to_a_new_pod(pod_network, snapshot, tmp_path):
-    store, expected = snapshot
+def test_follower_moves_to_a_new_pod(pod_network, tp2_snapshot, tmp_path):
+    store, expected = tp2_snapshot
     a, b, c = (pod_network.add(n) for n in ("a", "b", "c"))
     master = f"{a.ip}:29500"
     ranks = [Rank(a, 0, store, "--master", master), Rank(b, 1, store, "--master", master)]
@@ -229,8 +137,8 @@ def test_follower_moves_to_a_new_pod(pod_network, snapshot, tmp_path):
             print(f"--- rank in pod {r.pod.name}:\n" + "".join(r.lines[-40:]))
 
 
-def test_master_moves_to_a_new_pod(pod_network, snapshot, tmp_path):
-    store, expected = snapshot
+def test_master_moves_to_a_new_pod(pod_network, tp2_snapshot, tmp_path):
+    store, expected = tp2_snapshot
     a, b, c = (pod_network.add(n) for n in ("a", "b", "c"))
     meta = tmp_path / "restore.json"  # rank 1 polls this file once its master is gone
     ranks = [Rank(a, 0, store, "--master", f"{a.ip}:29500"),
@@ -265,10 +173,10 @@ class LocalPod:
         return [a if a != "8000" else str(self.port) for a in args]
 
 
-def test_planned_move_through_the_admin_api(snapshot, tmp_path):
+def test_planned_move_through_the_admin_api(tp2_snapshot, tmp_path):
     """POST /admin/rebuild: a replacement rank 1 (warm-restored, waiting for generation 1) takes over
     and the old rank 1 leaves; serving continues with the same tokens."""
-    store, expected = snapshot
+    store, expected = tp2_snapshot
     pod = LocalPod(free_port())
     base = 20000 + free_port() % 30000
     ranks = [Rank(pod, 0, store, "--master", f"127.0.0.1:{base}"), Rank(pod, 1, store, "--master", f"127.0.0.1:{base}")]
