@@ -33,15 +33,29 @@ from podsnap.errors import PodsnapError
 ACL_FORMAT_FRACTAL_NZ = 29
 
 
+M_MMAP_THRESHOLD = -3
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Serve allocations above ``threshold`` with their own mappings (glibc): freed, they leave the
+    process at once. Without a fixed threshold glibc raises it up to 32 MiB as large blocks are freed,
+    and later tensor-sized buffers stay in arenas that a checkpoint would dump."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)
+
+
 def return_freed_memory() -> None:
     """Hand freed heap pages back to the kernel, so CRIU does not dump them."""
     gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        try:
-            ctypes.CDLL(libc).malloc_trim(0)
-        except AttributeError:  # not glibc
-            pass
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc
+        libc.malloc_trim(0)
 
 
 class CpuBackend:

@@ -37,7 +37,7 @@ from podsnap.restore.loader import load_rank
 from podsnap.snapshot.capture import snapshot_engine
 from podsnap.snapshot.store import Store, new_snapshot_id
 
-from .backends import backend_for
+from .backends import backend_for, map_large_allocations
 from .hooks import DeviceHookServer
 
 
@@ -62,6 +62,7 @@ class ProcessCheckpointHooks:
         self.store_root = store_root
         self.verify = verify
         self.backend = backend_for(pod.engine)
+        map_large_allocations()
         self.paused = threading.Event()
         self.resumes: queue.Queue[str | None] = queue.Queue()
         self.current: Suspension | None = None

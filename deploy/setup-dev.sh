@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up the development/CI environment: a .venv with podsnap (editable) and
-# its test dependencies. Idempotent: re-running with an unchanged
+# Set up the development/CI environment: CRIU (deploy/install-criu.sh), a
+# .venv with podsnap (editable) and its test dependencies, and the CRIU plugin. Idempotent: re-running with an unchanged
 # pyproject.toml does nothing. torch comes from `pip install torch==2.13.0`,
 # the CPU build; nothing here pulls CUDA wheels.
 set -euo pipefail
@@ -21,12 +21,19 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 
+# CRIU >= 4.0 and checkpointctl (the system's if good enough, else Debian trixie's in .deps/criu).
+bash deploy/install-criu.sh
+
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.podsnap-setup
 
 want=$(cat pyproject.toml deploy/setup-dev.sh | sha256sum | cut -d' ' -f1)
+# podsnap's CRIU plugin, built from source (rebuilt only when criu_plugin/podsnap_criu.c changes)
+build_plugin() { $VENV/bin/python -m podsnap.criu_plugin.tools >/dev/null; }
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x $VENV/bin/podsnap ]; then
+  build_plugin
   exit 0
 fi
 
@@ -36,5 +43,6 @@ $VENV/bin/python -m pip install -q --upgrade pip setuptools wheel
 # torch first, pinned, so nothing later resolves a CUDA build
 $VENV/bin/python -m pip install -q torch==2.13.0
 $VENV/bin/python -m pip install -q -e '.[test]'
+build_plugin
 echo "$want" > "$STAMP"
 echo "==> environment ready: $VENV"

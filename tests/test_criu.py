@@ -220,3 +220,21 @@ def test_tp2_group_is_checkpointed_and_restored_into_new_pods(criu, hook_dir, po
             kill_pid(pid)
         for r in ranks:
             print(f"--- rank in pod {r.pod.name}:\n" + "".join(r.lines[-30:]))
+
+
+def test_restore_process_refuses_bad_names(tmp_path):
+    from podsnap.snapshot.store import Store
+
+    store = tmp_path / "store"
+    Store(store)
+    done = podsnap("restore-process", "--store", str(store), "--checkpoint", "../../etc", check=False)
+    assert done.returncode == 2 and "not valid" in done.stderr
+    done = podsnap("restore-process", "--store", str(store), "--checkpoint", "nope", check=False)
+    assert done.returncode == 2 and "no process checkpoint" in done.stderr
+    from podsnap.criu_plugin.driver import netns_path
+
+    for bad in ("../x", "a/b", "", "-n"):
+        with pytest.raises(PodsnapError, match="not a network namespace name"):
+            netns_path(bad)
+    with pytest.raises(PodsnapError, match="does not exist"):
+        netns_path("podsnap-no-such-ns")
