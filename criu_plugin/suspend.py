@@ -22,8 +22,10 @@ resume (after restore; after a --leave-running or failed dump)
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +46,37 @@ from .hooks import DeviceHookServer
 def pause_timeout_s() -> float:
     """How long a pause may take: a little less than the plugin waits (PODSNAP_HOOK_TIMEOUT)."""
     return max(1.0, float(os.environ.get("PODSNAP_HOOK_TIMEOUT", "120")) - 5)
+
+
+def open_inet_sockets() -> list[str]:
+    """This process's IPv4/IPv6 sockets, as "fd N: local -> peer"."""
+    out = []
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    try:
+                        peer = sock.getpeername()
+                    except OSError:
+                        peer = "-"
+                    out.append(f"fd {fd}: {sock.getsockname()} -> {peer}")
+        except OSError:
+            continue
+    return out
+
+
+def wait_for_inet_sockets_closed(timeout_s: float = 10.0) -> None:
+    """No TCP socket may go into the image (none can follow the process to a new pod, and CRIU 4.1
+    cannot dump one on kernels >= 6.16). The torn-down groups' store sockets close asynchronously:
+    wait for them; any left past ``timeout_s`` fails the pause (the dump aborts, the engine resumes)."""
+    deadline = time.monotonic() + timeout_s
+    while left := open_inet_sockets():
+        if time.monotonic() > deadline:
+            raise PodsnapError(f"TCP sockets still open after the process groups were torn down: {'; '.join(left)}")
+        gc.collect()
+        time.sleep(0.05)
 
 
 @dataclass
@@ -123,6 +156,11 @@ class ProcessCheckpointHooks:
         groups.teardown(timeout_s=10)
         s = self.current = Suspension(msg["name"], paused_at=time.time())
         s.freed_bytes = self.backend.release(engine)
+        try:
+            wait_for_inet_sockets_closed()
+        except PodsnapError:
+            self.resume(engine, None)  # serve on; the plugin reports the error and CRIU aborts the dump
+            raise
         log(f"rank {self.rank}: paused for a process checkpoint (snapshot {s.snapshot}, "
                 f"{s.freed_bytes / 2**20:.1f} MiB of tensors dropped)")
         self.paused.set()
