@@ -70,6 +70,18 @@ class Stream:
         return [self.answers[i] for i in range(len(PROMPTS))]
 
 
+class LocalPod:
+    """A "pod" on loopback, for scenarios that need no separate network: port 8000 becomes ``port``."""
+
+    name, ip = "local", "127.0.0.1"
+
+    def __init__(self, port: int):
+        self.port = port
+
+    def cmd(self, *args: str) -> list[str]:
+        return [a if a != "8000" else str(self.port) for a in args]
+
+
 class Rank:
     """``podsnap serve --rank R --world N`` inside ``pod``, warm-restoring from ``store:s`` (or, with
     ``store=None``, starting as ``args`` say)."""

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from pods import MAX_TOKENS, PROMPTS, Rank, Stream, health
+from pods import MAX_TOKENS, PROMPTS, LocalPod, Rank, Stream, health
 from procs import kill_tree
 
 from podsnap.client import request_json
@@ -159,18 +159,6 @@ def test_master_moves_to_a_new_pod(pod_network, tp2_snapshot, tmp_path):
         for r in ranks:
             r.kill()
             print(f"--- rank in pod {r.pod.name}:\n" + "".join(r.lines[-40:]))
-
-
-class LocalPod:
-    """A "pod" on loopback, for scenarios that need no separate network."""
-
-    name, ip = "local", "127.0.0.1"
-
-    def __init__(self, port: int):
-        self.port = port
-
-    def cmd(self, *args: str) -> list[str]:
-        return [a if a != "8000" else str(self.port) for a in args]
 
 
 def test_planned_move_through_the_admin_api(tp2_snapshot, tmp_path):
