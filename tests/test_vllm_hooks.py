@@ -143,6 +143,8 @@ def test_snapshot_is_a_normal_podsnap_snapshot(scenario):
     assert "model.layers.0.self_attn.attn._k_scale_float" in names  # a plain float attribute
     verified = CliRunner().invoke(main, ["snapshot", "verify", "--store", str(store), name, "--json"])
     assert json.loads(verified.stdout)["ok"], verified.output
+    refused = CliRunner().invoke(main, ["generate", "--restore", f"{store}:{name}", "--prompt-ids", "1,2"])
+    assert refused.exit_code != 0 and "holds a vllm model's state" in refused.output, refused.output
     for path in [store, *store.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
