@@ -198,12 +198,16 @@ def derived_tensors(model: nn.Module, entry: PlatformEntry) -> list[StateTensor]
     return out
 
 
-def restore_derived(model: nn.Module, name: str, value: torch.Tensor, layout: str) -> None:
-    """Put one ``derived`` tensor of a snapshot back where ``derived_tensors`` found it."""
+def restore_derived(model: nn.Module, entry: PlatformEntry, name: str, value: torch.Tensor, layout: str) -> None:
+    """Put one ``derived`` tensor of a snapshot back where ``derived_tensors`` found it. A global must be
+    one the entry registers: a manifest never makes the restore import a module of its choosing."""
     item = value.item() if layout == PY_FLOAT else value
     path, _, index = name.partition("#")
     if ":" in path:
         pymod, _, attr = path.partition(":")
+        if not any(spec.module == pymod and attr in spec.names for spec in entry.globals):
+            raise PodsnapError(f"snapshot tensor {name!r} names a global that the {entry.platform!r} entry of the "
+                               "derived-state registry does not register")
         owner = importlib.import_module(pymod)
     else:
         prefix, _, attr = path.rpartition(".")

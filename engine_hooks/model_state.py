@@ -91,7 +91,7 @@ def fill_model(model: nn.Module, tensors: dict[str, torch.Tensor], records: list
         if record.layout in entry.to_layout:
             t = entry.to_layout[record.layout](t)
         if record.role == Role.DERIVED:
-            derived_state.restore_derived(model, record.name, t, record.layout)
+            derived_state.restore_derived(model, entry, record.name, t, record.layout)
             continue
         prefix, _, leaf = record.name.rpartition(".")
         try:

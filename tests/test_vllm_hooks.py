@@ -323,8 +323,10 @@ def test_registry_module_globals_and_unknown_platform(tmp_path, monkeypatch):
     assert set(found) == {"podsnap_test_globals:CACHE", "podsnap_test_globals:PAIR#0", "podsnap_test_globals:PAIR#1"}
     fake.CACHE, fake.PAIR = None, None
     for name, st in found.items():
-        restore_derived(nn.Module(), name, st.tensor, st.meta.layout)
+        restore_derived(nn.Module(), entry, name, st.tensor, st.meta.layout)
     assert torch.equal(fake.CACHE, torch.ones(3)) and torch.equal(fake.PAIR[1], torch.ones(2))
+    with pytest.raises(PodsnapError, match="does not register"):  # a manifest cannot pick what gets imported
+        restore_derived(nn.Module(), entry, "os:environ", torch.ones(1), "nd")
     with pytest.raises(PodsnapError, match="no derived-state entry for vLLM platform 'tpu'"):
         entry_for("tpu")
 
