@@ -31,9 +31,12 @@ STAMP=$VENV/.podsnap-setup
 want=$(cat pyproject.toml deploy/setup-dev.sh | sha256sum | cut -d' ' -f1)
 # podsnap's CRIU plugin, built from source (rebuilt only when criu_plugin/podsnap_criu.c changes)
 build_plugin() { $VENV/bin/python -m podsnap.criu_plugin.tools >/dev/null; }
+# the snapshot agent's gRPC stubs, generated from snapshot/proto/*.proto (not committed; regenerated when they change)
+gen_stubs() { $VENV/bin/python -m podsnap.snapshot.protogen >/dev/null; }
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x $VENV/bin/podsnap ]; then
   build_plugin
+  gen_stubs
   exit 0
 fi
 
@@ -44,5 +47,6 @@ $VENV/bin/python -m pip install -q --upgrade pip setuptools wheel
 $VENV/bin/python -m pip install -q torch==2.13.0
 $VENV/bin/python -m pip install -q -e '.[test]'
 build_plugin
+gen_stubs
 echo "$want" > "$STAMP"
 echo "==> environment ready: $VENV"
