@@ -20,6 +20,8 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,8 +37,8 @@ BENIGN_ERRORS = ("Can't setup RLIMIT_NOFILE",)
 
 
 class CriuError(PodsnapError):
-    def __init__(self, action: str, log: Path, line: str | None, returncode: int | None):
-        self.action, self.log, self.line = action, log, line
+    def __init__(self, action: str, log: Path, line: str | None, returncode: int | None, timed_out: bool = False):
+        self.action, self.log, self.line, self.timed_out = action, log, line, timed_out
         why = f": {line}" if line else f" (exit status {returncode}; no error line in the log)"
         super().__init__(f"criu {action} failed{why} [log: {log}]")
 
@@ -91,11 +93,32 @@ def image_bytes(images: Path) -> int:
 
 
 def engine_answer(log: Path) -> dict:
-    """The plugin logs the engine's pause answer: "paused (ok cpu rank=0 snapshot=ID)"."""
-    m = re.search(r"paused \(ok (\w+)((?: \w+=\S+)*)\)", log.read_text(errors="replace")) if log.exists() else None
+    """The plugin logs the engine's pause answer: "paused (ok cpu rank=0 snapshot=ID ...)"."""
+    m = re.search(r"paused \((ok \w+(?: \w+=\S+)*)\)", log.read_text(errors="replace")) if log.exists() else None
+    return parse_answer(m[1]) if m else {}
+
+
+def parse_answer(reply: str) -> dict:
+    """An engine's pause answer "ok cpu rank=0 snapshot=ID written=N deduplicated=M" as a dict."""
+    m = re.fullmatch(r"ok (\w+)((?: \w+=\S+)*)", reply.strip())
     if not m:
         return {}
     return {"device": m[1], **dict(kv.split("=", 1) for kv in m[2].split())}
+
+
+def resume_unnotified(pid: int, log: Path) -> bool:
+    """After a failed or killed dump: tell the engine ``pid`` to resume if the plugin asked it to pause but
+    did not tell it to resume (its pause timed out, or CRIU was killed). Returns whether it was told."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if f"engine {pid}: pause" not in text or f"engine {pid}: told to resume" in text:
+        return False
+    from .hooks import send_request
+
+    try:
+        send_request(pid, "resume -", wait_reply=False)
+    except OSError:
+        return False
+    return True
 
 
 def netns_of(pid: int) -> tuple[int, int]:
@@ -125,15 +148,17 @@ def run_criu(action: str, args: list[str], images: Path, netns_path: str | None,
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
-        raise CriuError(action, log, f"did not finish within {timeout_s:g} s", None) from None
+        raise CriuError(action, log, f"did not finish within {timeout_s:g} s", None, timed_out=True) from None
     if done.returncode != 0:
         raise CriuError(action, log, first_error(log) or done.stderr.strip()[-300:] or None, done.returncode)
     return time.perf_counter() - t
 
 
 def dump(pid: int, images: Path, *, leave_running: bool = False, use_plugin: bool = True,
-         timeout_s: float | None = None) -> DumpResult:
-    """Checkpoint process ``pid`` (and its children) into ``images`` (a new, private directory)."""
+         timeout_s: float | None = None, hook_timeout_s: int | None = None) -> DumpResult:
+    """Checkpoint process ``pid`` (and its children) into ``images`` (a new, private directory).
+    ``hook_timeout_s`` bounds the engine's pause (the plugin gives up and CRIU aborts cleanly);
+    ``timeout_s`` bounds the whole CRIU run (it is killed then)."""
     if not Path(f"/proc/{pid}").exists():
         raise PodsnapError(f"no process with pid {pid}")
     mkdir_private(images)
@@ -146,10 +171,42 @@ def dump(pid: int, images: Path, *, leave_running: bool = False, use_plugin: boo
     if leave_running:
         args.append("--leave-running")
     netns = None if netns_of(pid) == netns_of(os.getpid()) else f"/proc/{pid}/ns/net"
-    seconds = run_criu("dump", args, images, netns, timeout_s)
+    env = {"PODSNAP_HOOK_TIMEOUT": str(max(1, int(hook_timeout_s)))} if hook_timeout_s else None
+    try:
+        seconds = run_criu("dump", args, images, netns, timeout_s, env)
+    except CriuError:
+        resume_unnotified(pid, images / "dump.log")
+        raise
     engine = engine_answer(images / "dump.log")
     ProcessInfo(pid, shell_job, engine, time.time()).write(images)
     return DumpResult(pid, images, seconds, image_bytes(images), engine, leave_running)
+
+
+class GroupDumpError(PodsnapError):
+    def __init__(self, errors: dict[int, PodsnapError]):
+        self.errors = errors
+        self.timed_out = any(getattr(e, "timed_out", False) for e in errors.values())
+        super().__init__("checkpoint failed; the engines that paused resume:\n  "
+                         + "\n  ".join(f"pid {pid}: {e}" for pid, e in errors.items()))
+
+
+def dump_group(pids: list[int], images_of: Callable[[int], Path], *, leave_running: bool = False,
+               use_plugin: bool = True, timeout_s: float | None = None,
+               hook_timeout_s: int | None = None) -> list[DumpResult]:
+    """Dump the processes of one engine group at the same time (a follower pauses when rank 0 does);
+    raises GroupDumpError naming each process that failed."""
+    with ThreadPoolExecutor(max(1, len(pids))) as pool:
+        futures = {pid: pool.submit(dump, pid, images_of(pid), leave_running=leave_running, use_plugin=use_plugin,
+                                    timeout_s=timeout_s, hook_timeout_s=hook_timeout_s) for pid in pids}
+        results, errors = [], {}
+        for pid, f in futures.items():
+            try:
+                results.append(f.result())
+            except PodsnapError as e:
+                errors[pid] = e
+    if errors:
+        raise GroupDumpError(errors)
+    return results
 
 
 def netns_path(name: str) -> str:

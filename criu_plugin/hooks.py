@@ -36,6 +36,17 @@ def hook_socket_path(pid: int) -> Path:
     return hook_dir() / f"{pid}.sock"
 
 
+def send_request(pid: int, line: str, wait_reply: bool = True, timeout_s: float | None = 120) -> str:
+    """The plugin's side of the protocol, for the agent: send one line to engine ``pid``'s hook socket and
+    return its reply ("" with ``wait_reply=False``). Raises OSError if the engine does not listen."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(str(hook_socket_path(pid)))
+        s.sendall(line.encode() + b"\n")
+        s.shutdown(socket.SHUT_WR)
+        return s.makefile("r").readline().strip() if wait_reply else ""
+
+
 def peer_uid(conn: socket.socket) -> int:
     _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     return uid

@@ -87,6 +87,8 @@ class Suspension:
     paused_at: float = 0.0
     resumed_from: str | None = None  # the restore metadata the resume used
     resume_seconds: float = 0.0
+    bytes_written: int | None = None  # rank 0: what the snapshot wrote to the store / found there already
+    bytes_deduplicated: int | None = None
 
 
 class ProcessCheckpointHooks:
@@ -115,7 +117,9 @@ class ProcessCheckpointHooks:
             if self.rank == 0:
                 op = self._start_suspend({"op": "suspend", "name": new_snapshot_id()})
             self._wait_paused(op)
-        return f"{self.backend.name} rank={self.rank} snapshot={self.current.snapshot}"
+        s = self.current
+        stats = "" if s.bytes_written is None else f" written={s.bytes_written} deduplicated={s.bytes_deduplicated}"
+        return f"{self.backend.name} rank={self.rank} snapshot={s.snapshot}{stats}"
 
     def _start_suspend(self, msg: dict) -> AdminOp:
         """Rank 0: a serving engine runs the op at its next step boundary; an engine without an HTTP
@@ -155,6 +159,8 @@ class ProcessCheckpointHooks:
         done = snapshot_engine(engine, self.store_root, msg["name"])
         groups.teardown(timeout_s=10)
         s = self.current = Suspension(msg["name"], paused_at=time.time())
+        if done is not None:  # rank 0: the whole group's capture statistics
+            s.bytes_written, s.bytes_deduplicated = done[1].bytes_written, done[1].bytes_deduplicated
         s.freed_bytes = self.backend.release(engine)
         try:
             wait_for_inet_sockets_closed()

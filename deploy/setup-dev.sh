@@ -31,9 +31,11 @@ STAMP=$VENV/.podsnap-setup
 want=$(cat pyproject.toml deploy/setup-dev.sh | sha256sum | cut -d' ' -f1)
 # Run on every set-up; each keeps its own stamp, so an unchanged one returns at once:
 # podsnap's CRIU plugin, built from source (rebuilt only when criu_plugin/podsnap_criu.c changes),
-# and vLLM for CPU (deploy/install-vllm.sh), for the engine hooks and their tests.
+# the snapshot agent's gRPC stubs, generated from snapshot/proto/*.proto (not committed; regenerated when they
+# change), and vLLM for CPU (deploy/install-vllm.sh), for the engine hooks and their tests.
 finish() {
   $VENV/bin/python -m podsnap.criu_plugin.tools >/dev/null
+  $VENV/bin/python -m podsnap.snapshot.protogen >/dev/null
   bash deploy/install-vllm.sh
 }
 

@@ -222,8 +222,13 @@ def generate(model_dir, restore, quant, dtype, verify, load_mode, force, use_com
 @click.option("--restore-metadata", "metadata", type=click.Path(dir_okay=False), default=None,
               help="Pod-per-rank form: JSON written by the controller on restore (generation, master_addr, "
                    "port_base, rank_map); read at start and polled when the master moves.")
+@click.option("--container-id", default=None,
+              help="Pod-per-rank form: register this rank process with the snapshot agent (standalone mode) as "
+                   "this container, in $PODSNAP_AGENT_REGISTRY (default /run/podsnap/agent/registry).")
+@click.option("--pod-name", default=None, help="With --container-id: the pod's name [default: the container id].")
+@click.option("--pod-namespace", default="default", show_default=True, help="With --container-id: the namespace.")
 def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compile, tp, rank, world, master, host,
-          port, connect_timeout, store, backend, metadata):
+          port, connect_timeout, store, backend, metadata, container_id, pod_name, pod_namespace):
     """Serve over HTTP with tensor parallelism (cold start, or warm with --restore).
 
     \b
@@ -253,6 +258,8 @@ def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compil
     if tp is None and not 0 <= rank < world:
         raise click.BadParameter(f"--rank {rank} must be in 0..{world - 1} for --world {world}")
     if tp is not None:
+        if container_id:
+            raise click.UsageError("--container-id registers one rank process: use it with --rank/--world")
         if tp < 1:
             raise click.BadParameter(f"--tp {tp}: the number of ranks must be at least 1")
         args = [*(["--model", str(model_dir)] if model_dir else []), *(["--restore", restore] if restore else []),
@@ -266,7 +273,26 @@ def serve(model_dir, restore, quant, dtype, verify, load_mode, force, use_compil
     cfg = PodConfig(rank, world, master, metadata_path_ok(metadata), host, port, connect_timeout,
                     str(store) if store else None, deferred_join=restore is not None,
                     admin_token=os.environ.get("PODSNAP_ADMIN_TOKEN") or None, backend=backend)
-    serve_rank(cfg, start)
+    with registered(container_id, pod_name, pod_namespace, store):
+        serve_rank(cfg, start)
+
+
+@contextmanager
+def registered(container_id: str | None, pod_name: str | None, namespace: str, store: Path | None):
+    """Register this process with the agent's registry (standalone mode) while it serves."""
+    if container_id is None:
+        yield
+        return
+    from podsnap.snapshot.registry import ContainerEntry, Registry
+
+    registry = Registry()
+    entry = ContainerEntry.for_process(container_id, pod_name or container_id, namespace,
+                                       store=str(Path(store).resolve()) if store else None)
+    registry.register(entry)
+    try:
+        yield
+    finally:
+        registry.unregister(container_id, pid=os.getpid())
 
 
 @main.command()
@@ -294,6 +320,7 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     console.print(table)
 
 
+from podsnap.cli_agent import agent  # noqa: E402
 from podsnap.cli_criu import checkpoint, doctor, restore_process  # noqa: E402
 from podsnap.cli_snapshot import snapshot  # noqa: E402  (registers `podsnap snapshot ...`)
 
@@ -301,6 +328,7 @@ main.add_command(snapshot)
 main.add_command(checkpoint)
 main.add_command(restore_process)
 main.add_command(doctor)
+main.add_command(agent)
 
 if __name__ == "__main__":
     main()

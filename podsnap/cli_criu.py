@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -72,17 +71,8 @@ def checkpoint(pids, store, name, leave_running, no_plugin, timeout, as_json):
     top = s.process_dir(name)
     if (top / CHECKPOINT_RECORD).exists():
         raise PodsnapError(f"process checkpoint {name!r} already exists in {store}; choose another --name")
-    with ThreadPoolExecutor(len(pids)) as pool:  # together: a follower pauses when rank 0 does
-        futures = [pool.submit(driver.dump, pid, s.process_dir(name, pid), leave_running=leave_running,
-                               use_plugin=not no_plugin, timeout_s=timeout) for pid in pids]
-        errors, results = [], []
-        for pid, f in zip(pids, futures, strict=True):
-            try:
-                results.append(f.result())
-            except PodsnapError as e:
-                errors.append(f"pid {pid}: {e}")
-    if errors:
-        raise PodsnapError("checkpoint failed; the engines that paused resume:\n  " + "\n  ".join(errors))
+    results = driver.dump_group(list(pids), lambda pid: s.process_dir(name, pid), leave_running=leave_running,
+                                use_plugin=not no_plugin, timeout_s=timeout)
     record = ProcessCheckpoint(name, time.time(), [r.to_dict() for r in results])
     record.write(top)
     if as_json:

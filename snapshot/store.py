@@ -76,10 +76,10 @@ def write_atomic(path: Path, data) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
     write_private(tmp, data)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -205,7 +205,7 @@ class Store:
         if missing:
             raise StoreError(f"cannot commit {manifest.snapshot_id}: {len(missing)} blob(s) missing, e.g. {missing[0]}")
         for d in {self.blob_path(b).parent for b in manifest.blobs()}:
-            _fsync_dir(d)
+            fsync_dir(d)
         final = self.manifest_path(manifest.snapshot_id)
         tmp = self.tmp_dir / f"{manifest.snapshot_id}.{os.getpid()}.manifest"
         write_private(tmp, manifest.to_json().encode())
@@ -216,7 +216,7 @@ class Store:
                              "choose another --name or remove it first") from None
         finally:
             os.unlink(tmp)
-        _fsync_dir(self.manifests_dir)
+        fsync_dir(self.manifests_dir)
 
     def load(self, snapshot_id: str) -> Manifest:
         path = self.manifest_path(snapshot_id)
@@ -253,7 +253,7 @@ class Store:
             manifest = self.load(snapshot_id)
             keep = self.referenced_blobs(exclude=snapshot_id)
             os.unlink(self.manifest_path(snapshot_id))
-            _fsync_dir(self.manifests_dir)
+            fsync_dir(self.manifests_dir)
             return self._delete_blobs(manifest.blobs() - keep, tmp_removed=0)
 
     def gc(self) -> GcResult:

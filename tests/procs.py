@@ -58,3 +58,17 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
         return True
+
+
+def kill_pid(pid: int) -> None:
+    """Kill a process we started or restored, and reap it (it is our child or our orphan)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped elsewhere: wait until it is gone
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)

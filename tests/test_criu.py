@@ -16,52 +16,15 @@ import socket
 import stat
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 from pods import MAX_TOKENS, PROMPTS, LocalPod, Rank, Stream, health
+from procs import kill_pid
 
 from podsnap.client import request_json
 from podsnap.comm_rebuild.discovery import RestoreMetadata
 from podsnap.engine.launch import free_port
 from podsnap.errors import PodsnapError
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-@pytest.fixture(scope="module")
-def criu():
-    """CRIU >= 4 and the plugin, built now; restored processes become children of this test process
-    (a subreaper), so that they can be reaped by pid."""
-    from podsnap.criu_plugin import tools
-
-    try:
-        version = tools.criu_version()
-        if version < (4, 0):
-            raise PodsnapError(f"CRIU {version} is older than 4.0")
-        plugin = tools.build_plugin()
-    except (PodsnapError, OSError) as e:
-        reason = f"CRIU is not usable here: {e}"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        print(reason)
-        pytest.skip(reason)
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("CRIU needs root")
-        print("CRIU needs root")
-        pytest.skip("CRIU needs root")
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    return plugin
-
-
-@pytest.fixture
-def hook_dir(tmp_path, monkeypatch):
-    d = Path(f"/tmp/psh-{os.urandom(3).hex()}")  # short: a unix socket path has at most 107 bytes
-    monkeypatch.setenv("PODSNAP_HOOK_DIR", str(d))
-    yield d
-    subprocess.run(["rm", "-rf", str(d)], check=False)
 
 
 def podsnap(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -69,20 +32,6 @@ def podsnap(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and done.returncode != 0:
         raise AssertionError(f"podsnap {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done
-
-
-def kill_pid(pid: int) -> None:
-    """Kill a process we started or restored, and reap it (it is our child or our orphan)."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:  # reaped elsewhere: wait until it is gone
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 # --- the device-hook socket -------------------------------------------------------------------
