@@ -99,6 +99,7 @@ class ProcessCheckpointHooks:
         self.backend = backend_for(pod.engine)
         map_large_allocations()
         self.paused = threading.Event()
+        self.resuming = threading.Event()  # a resume was asked for and has not finished yet
         self.resumes: queue.Queue[str | None] = queue.Queue()
         self.current: Suspension | None = None
         self.history: list[Suspension] = []
@@ -112,6 +113,7 @@ class ProcessCheckpointHooks:
     # --- hook thread ------------------------------------------------------------------
 
     def on_pause(self) -> str:
+        self._wait_resumed()
         if not self.paused.is_set():
             op = None
             if self.rank == 0:
@@ -138,6 +140,17 @@ class ProcessCheckpointHooks:
         threading.Thread(target=run, name="podsnap-suspend", daemon=True).start()
         return op
 
+    def _wait_resumed(self) -> None:
+        """A pause that arrives while the previous checkpoint's resume is still under way (a dump right
+        after a --leave-running one) must wait for it: otherwise it would answer for the old pause and the
+        engine would map its tensors back while CRIU dumps it."""
+        deadline = time.monotonic() + pause_timeout_s()
+        while self.resuming.is_set():
+            if time.monotonic() > deadline:
+                raise PodsnapError(f"rank {self.rank} is still resuming from the previous checkpoint after "
+                                   f"{pause_timeout_s():g} s; try again when it serves")
+            time.sleep(0.02)
+
     def _wait_paused(self, op) -> None:
         deadline = time.monotonic() + pause_timeout_s()
         while not self.paused.wait(0.1):
@@ -148,7 +161,8 @@ class ProcessCheckpointHooks:
                 raise PodsnapError(f"rank {self.rank} did not pause within {pause_timeout_s():g} s{who}")
 
     def on_resume(self, metadata: str | None) -> None:
-        if self.paused.is_set():
+        if self.paused.is_set() and not self.resuming.is_set():
+            self.resuming.set()
             self.resumes.put(metadata)
 
     # --- main thread: the "suspend" control op, on every rank ------------------------------
@@ -172,10 +186,13 @@ class ProcessCheckpointHooks:
         self.paused.set()
         metadata = self.resumes.get()
         t = time.perf_counter()
-        self.resume(engine, metadata)
+        try:
+            self.resume(engine, metadata)
+        finally:
+            self.paused.clear()
+            self.resuming.clear()
         s.resumed_from, s.resume_seconds = metadata, time.perf_counter() - t
         self.history.append(s)
-        self.paused.clear()
         if self.pod.server is not None:
             self.pod.publish_generation()
         log(f"rank {self.rank}: resumed in {s.resume_seconds:.3f} s (metadata {metadata or 'none'})")

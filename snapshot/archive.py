@@ -149,7 +149,7 @@ def write_archive(location: Path, images: Path, info: ArchiveInfo, *, created: f
                 tar.add(images, arcname=CHECKPOINT_DIR, recursive=False)
                 for p in sorted(images.iterdir()):
                     check()
-                    if p.is_file():
+                    if p.is_file() and p.name not in (STATS_DUMP, DUMP_LOG):  # those two go at the top
                         tar.add(p, arcname=f"{CHECKPOINT_DIR}/{p.name}")
                 now = info.checkpointed_at
                 _add_bytes(tar, CONFIG_DUMP, json.dumps(config_dump(info, created)).encode(), now)

@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 from pods import MAX_TOKENS, PROMPTS, LocalPod, Rank, Stream, health
@@ -107,6 +108,38 @@ def test_a_failed_dump_leaves_the_engine_serving_and_quotes_criu(criu, hook_dir,
         rank.wait_for("resumed in")
         assert request_json(f"{url}/v1/completions", body)[1]["choices"][0]["token_ids"] == before
         assert health(url)["process_checkpoints"]["device_hooks"] == ["pause", "resume"]
+    finally:
+        rank.kill()
+
+
+def test_a_pause_during_the_previous_resume_waits_for_it_and_pauses_anew(hook_dir, model_factory, tmp_path):
+    """A dump right after a --leave-running one: its pause arrives while the engine is still mapping its
+    tensors back. The pause must wait for that resume and pause anew (a new snapshot); answering for the old
+    pause would let CRIU dump the engine while it refills its tensors. Driven through the hook socket with
+    the plugin's own requests, back to back, so the second pause always lands during the resume."""
+    from podsnap.criu_plugin.driver import parse_answer
+    from podsnap.criu_plugin.hooks import send_request
+
+    model, store = model_factory("llama"), tmp_path / "store"
+    pod = LocalPod(free_port())
+    rank = Rank(pod, 0, None, "--model", str(model), "--store", str(store), "--master", f"127.0.0.1:{free_port()}",
+                world=1, log_dir=tmp_path)
+    try:
+        url = rank.wait_serving().replace(":8000", f":{pod.port}")
+        body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}
+        before = request_json(f"{url}/v1/completions", body)[1]["choices"][0]["token_ids"]
+        first = send_request(rank.pid, "pause")
+        send_request(rank.pid, "resume -", wait_reply=False)
+        second = send_request(rank.pid, "pause")
+        assert first.startswith("ok cpu") and second.startswith("ok cpu"), (first, second)
+        assert parse_answer(first)["snapshot"] != parse_answer(second)["snapshot"], (first, second)
+        assert sum("paused for a process checkpoint" in line for line in rank.lines) == 2
+        send_request(rank.pid, "resume -", wait_reply=False)
+        deadline = time.monotonic() + 120
+        while sum("resumed in" in line for line in rank.lines) < 2:
+            assert time.monotonic() < deadline, "".join(rank.lines[-20:])
+            time.sleep(0.05)
+        assert request_json(f"{url}/v1/completions", body)[1]["choices"][0]["token_ids"] == before
     finally:
         rank.kill()
 
