@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -40,8 +41,8 @@ def _rank_main(target, rank: int, world: int, master: str, backend: str, results
         torch.set_num_threads(threads_per_rank(world))
         init_world(master, rank, world, backend)
         value = target(rank, world, *args)
-        if rank == 0:
-            results.put(("ok", rank, value))
+        if rank == 0:  # by value: torch would pass tensors as shared-memory fds, which die with this process
+            results.put(("ok", rank, pickle.dumps(value)))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
         detail = str(e) if isinstance(e, PodsnapError) else traceback.format_exc(limit=5)
         results.put(("error", rank, detail))
@@ -101,7 +102,7 @@ def run_on_ranks(target, world: int, *args, backend: str = "gloo", timeout_s: fl
                 continue
             if status == "error":
                 raise PodsnapError(f"rank {rank} failed: {value}")
-            return value
+            return pickle.loads(value)
         raise PodsnapError(f"ranks did not finish within {timeout_s:g} s")
     finally:
         stop_processes(procs)
