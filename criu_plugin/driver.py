@@ -209,13 +209,23 @@ def dump_group(pids: list[int], images_of: Callable[[int], Path], *, leave_runni
     return results
 
 
+class InvalidNetns(PodsnapError):
+    """A network namespace name that could be a path (or is empty)."""
+
+
+class NetnsNotFound(PodsnapError):
+    pass
+
+
 def netns_path(name: str) -> str:
-    """``/run/netns/NAME`` for a namespace created with ``ip netns add NAME``; the name is checked."""
+    """``/run/netns/NAME`` for a namespace created with ``ip netns add NAME``; the name is checked
+    (the CLI's ``--netns`` and the agent's requests alike)."""
     if not NETNS_NAME.match(name):
-        raise PodsnapError(f"--netns {name!r} is not a network namespace name (letters, digits, '_', '.', '-')")
+        raise InvalidNetns(f"{name!r} is not a network namespace name (letters, digits, '_', '.', '-'), so not a "
+                           "name from `ip netns list`")
     path = f"/run/netns/{name}"
     if not os.path.exists(path):
-        raise PodsnapError(f"network namespace {name!r} does not exist ({path}); create it with `ip netns add`")
+        raise NetnsNotFound(f"network namespace {name!r} does not exist ({path}); create it with `ip netns add`")
     return path
 
 

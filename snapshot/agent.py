@@ -22,13 +22,11 @@ INVALID_ARGUMENT (bad ids, names, locations, timeouts, metadata), NOT_FOUND
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -41,7 +39,7 @@ from .archive import ArchiveExists, LocationRefused, confine, read_info
 from .checkpointer import Checkpointer, CheckpointResult, Deadline, DeadlineExceeded, InvalidRequest, NotFound
 from .metrics import AgentMetrics
 from .peercred import AccessPolicy, Peer, PeerCredGuard
-from .proxy import PassthroughHandler, runtime_channel
+from .proxy import MESSAGE_LIMITS, PassthroughHandler, runtime_channel
 from .registry import ContainerNotFound, InvalidName, Registry, check_name
 from .resolve import RegistryResolver, RuntimeResolver, RuntimeUnavailable
 from .rpc import AGENT, CRI_RUNTIME, agent_pb2, cri_pb2
@@ -88,6 +86,8 @@ ERROR_CODES: list[tuple[type, grpc.StatusCode, str]] = [
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"),
     (RuntimeUnavailable, grpc.StatusCode.UNAVAILABLE, "unavailable"),
     (ArchiveExists, grpc.StatusCode.ALREADY_EXISTS, "already_exists"),
+    (driver.InvalidNetns, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+    (driver.NetnsNotFound, grpc.StatusCode.NOT_FOUND, "not_found"),
 ]
 
 
@@ -102,26 +102,11 @@ def log(msg: str) -> None:
     print(f"podsnap-agent: {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class Counters:
-    values: dict[str, int] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, key: str, n: int = 1) -> None:
-        with self.lock:
-            self.values[key] = self.values.get(key, 0) + n
-
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return dict(self.values)
-
-
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         self.started = time.time()
         self.metrics = AgentMetrics.create()
-        self.counters = Counters()
         self.channel = runtime_channel(config.runtime_socket) if config.runtime_socket else None
         self.registry = None if self.channel else Registry(config.registry_dir)
         self.resolver = (RuntimeResolver(self.channel, config.store) if self.channel
@@ -142,8 +127,7 @@ class Agent:
         mkdir_private(cfg.private_socket.parent)
         cfg.private_socket.unlink(missing_ok=True)
         self.server = grpc.server(ThreadPoolExecutor(cfg.workers, thread_name_prefix="podsnap-agent"),
-                                  options=[("grpc.max_receive_message_length", 64 << 20),
-                                           ("grpc.max_send_message_length", 64 << 20)])
+                                  options=MESSAGE_LIMITS)
         handlers = [self._cri_handler(), self._agent_handler()]
         if self.channel is not None:
             handlers.append(PassthroughHandler(self.channel))
@@ -172,7 +156,6 @@ class Agent:
 
     def _refused(self, peer: Peer) -> None:
         self.metrics.refused_connections.inc()
-        self.counters.add("refused_connections")
         log(f"refused a connection from pid {peer.pid} (uid {peer.uid}, gid {peer.gid}): not root, not the "
             "agent's user and not in --allow-uid/--allow-gid")
 
@@ -224,7 +207,6 @@ class Agent:
     def _count_failure(self, counted: str, result: str) -> None:
         if counted == "restore":
             self.metrics.restores.labels(result).inc()
-            self.counters.add(f"restores_{result}")
         else:
             self._count_checkpoint(counted, result)
 
@@ -241,13 +223,11 @@ class Agent:
 
     def _count_checkpoint(self, kind: str, result: str) -> None:
         self.metrics.checkpoints.labels(kind, result).inc()
-        self.counters.add(f"checkpoints_{result}")
 
     def _measure_restore(self, run):
         t = time.perf_counter()
         out = run()
         self.metrics.restores.labels("ok").inc()
-        self.counters.add("restores_ok")
         self.metrics.restore_seconds.observe(time.perf_counter() - t)
         return out
 
@@ -353,17 +333,12 @@ class Agent:
         return agent_pb2.StatusResponse(
             version=__version__, mode=cfg.mode, socket=str(cfg.socket), checkpoint_dir=str(cfg.checkpoint_dir),
             store=cfg.store or "", in_flight=[op.describe() for op in self.checkpointer.in_flight()],
-            counters=self.counters.snapshot(), uptime_seconds=time.time() - self.started,
+            counters=self.metrics.totals(), uptime_seconds=time.time() - self.started,
             runtime_socket=cfg.runtime_socket or "")
 
 
 def checked_netns(name: str | None) -> str | None:
-    """A network namespace name from a request: INVALID_ARGUMENT if malformed, NOT_FOUND if absent."""
-    if not name:
-        return None
-    if not driver.NETNS_NAME.match(name):
-        raise InvalidRequest(f"network namespace {name!r} is not a name from `ip netns list` (letters, digits, "
-                             "'_', '.', '-')")
-    if not os.path.exists(f"/run/netns/{name}"):
-        raise NotFound(f"network namespace {name!r} does not exist (/run/netns/{name})")
-    return name
+    """A network namespace name from a request (None when not given), checked by the CRIU driver."""
+    if name:
+        driver.netns_path(name)
+    return name or None

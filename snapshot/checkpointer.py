@@ -32,7 +32,7 @@ from podsnap.criu_plugin.hooks import send_request
 from podsnap.errors import PodsnapError
 
 from .archive import ArchiveExists, ArchiveInfo, extract_images, process_cmdline, read_info, write_archive
-from .registry import ContainerEntry, Registry, check_name
+from .registry import ContainerEntry, Registry, check_name, process_start_time
 from .resolve import Target
 from .store import Store, StoreError, mkdir_private, write_private
 
@@ -140,8 +140,6 @@ class RestoreResult:
 
 def process_started_at(pid: int) -> float:
     """Wall-clock start time of ``pid`` (boot time + start ticks)."""
-    from .registry import process_start_time
-
     btime = next(int(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime"))
     return btime + (process_start_time(pid) or 0) / os.sysconf("SC_CLK_TCK")
 

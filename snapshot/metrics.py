@@ -42,6 +42,17 @@ class AgentMetrics:
                     registry=r),
         )
 
+    def totals(self) -> dict[str, int]:
+        """The counters as Status reports them: checkpoints and restores by result, refused connections."""
+        out: dict[str, int] = {}
+        for metric, prefix in ((self.checkpoints, "checkpoints_"), (self.restores, "restores_"),
+                               (self.refused_connections, "refused_connections")):
+            for sample in metric.collect()[0].samples:
+                if sample.name.endswith("_total") and sample.value:
+                    key = prefix + sample.labels.get("result", "")
+                    out[key] = out.get(key, 0) + int(sample.value)
+        return out
+
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Start the /metrics HTTP server; returns it (``shutdown()`` stops it)."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)

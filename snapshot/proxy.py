@@ -17,6 +17,8 @@ import grpc
 
 FORWARDED_SERVICES = ("runtime.v1.RuntimeService", "runtime.v1.ImageService")
 DROPPED_METADATA = ("user-agent", "grpc-", ":")
+MESSAGE_LIMITS = [("grpc.max_receive_message_length", 64 << 20),  # CRI lists (ListContainers, ListImages)
+                  ("grpc.max_send_message_length", 64 << 20)]    # can pass gRPC's 4 MiB default
 
 
 def identity(data: bytes) -> bytes:
@@ -27,8 +29,7 @@ def runtime_channel(target: str) -> grpc.Channel:
     """A channel to the runtime: ``unix:///run/containerd/containerd.sock`` or a bare socket path."""
     if "://" not in target and not target.startswith("unix:"):
         target = f"unix://{target}"
-    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                  ("grpc.max_send_message_length", 64 << 20)])
+    return grpc.insecure_channel(target, options=MESSAGE_LIMITS)
 
 
 class PassthroughHandler(grpc.GenericRpcHandler):

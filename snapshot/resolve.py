@@ -9,7 +9,7 @@ from the standard ``io.kubernetes.pod.*`` labels.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -49,7 +49,7 @@ class RegistryResolver:
 
     def container(self, container_id: str, timeout_s: float | None = None) -> Target:
         t = Target.from_entry(self.registry.get(check_name(container_id)))
-        return t if t.store else Target(**{**t.__dict__, "store": self.default_store})
+        return t if t.store else replace(t, store=self.default_store)
 
     def pod(self, pod_id: str, timeout_s: float | None = None) -> list[Target]:
         check_name(pod_id, "pod sandbox id")

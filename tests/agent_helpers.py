@@ -16,13 +16,10 @@ import grpc
 
 from podsnap.snapshot.agent import Agent, AgentConfig
 from podsnap.snapshot.client import AgentClient
+from podsnap.snapshot.proxy import identity
 from podsnap.snapshot.rpc import cri_pb2
 
 HERE = Path(__file__).resolve().parent
-
-
-def identity(b: bytes) -> bytes:
-    return b
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent_helpers import FakeRuntime, RunningAgent, SlowEngine, files_under, identity, in_thread, short_dir, wait_until
+from agent_helpers import FakeRuntime, RunningAgent, SlowEngine, files_under, in_thread, short_dir, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pods import MAX_TOKENS, PROMPTS, Rank
@@ -32,6 +32,7 @@ from podsnap.client import request_json
 from podsnap.comm_rebuild.discovery import RestoreMetadata
 from podsnap.engine.launch import free_port
 from podsnap.snapshot import protogen
+from podsnap.snapshot.proxy import identity
 from podsnap.snapshot.rpc import agent_pb2, cri_pb2
 
 CODE = grpc.StatusCode
